@@ -1,0 +1,236 @@
+//! The bandwidth floor and the decode benchmark (DESIGN.md section 4).
+//!
+//! Floor: bytes one step must move (every weight but the embedding table,
+//! one embedding row, the KV cache read and write) over the bandwidth a
+//! streaming-read kernel from the same cubin measures in the same run.
+
+use std::ffi::c_void;
+use std::time::Duration;
+
+use cudarc::driver::{result, sys};
+use qmk_engine::Backend;
+use qmk_kernels::{StreamParams, FLAG_TOKEN_FROM_ARGMAX, THREADS_PER_CTA};
+
+use crate::backend::CudarcBackend;
+use crate::error::{Error, Result};
+use crate::mem::DeviceBuffer;
+
+/// What [`CudarcBackend::bench`] runs.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Untimed steps first.
+    pub warmup: usize,
+    /// Timed steps (the median is reported).
+    pub steps: usize,
+    /// Token of position 0; later tokens are the kernel's own greedy picks
+    /// (read on the device, no host round trip).
+    pub first_token: u32,
+    /// Size of the streaming-read buffer for the floor.
+    pub stream_bytes: u64,
+    pub stream_reps: usize,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            warmup: 16,
+            steps: 128,
+            first_token: 9707,
+            stream_bytes: 4 << 30,
+            stream_reps: 10,
+        }
+    }
+}
+
+/// Results, with the floor measured in the same run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchReport {
+    pub device: String,
+    pub tok_per_s: f64,
+    /// Median over the timed steps, device events.
+    pub us_per_step: f64,
+    pub us_p10: f64,
+    pub us_p90: f64,
+    /// Mean bytes one timed step must move.
+    pub bytes_per_step: u64,
+    /// bytes_per_step / us_per_step.
+    pub gbps: f64,
+    /// Streaming-read bandwidth, same cubin, same run.
+    pub floor_gbps: f64,
+    /// floor time / measured time, in percent.
+    pub pct_of_floor: f64,
+    /// Floor tok/s: floor_gbps / bytes_per_step.
+    pub floor_tok_per_s: f64,
+    pub barriers_per_step: u32,
+    pub grid: u32,
+    pub ctas_per_sm: u32,
+    pub registers: u32,
+    pub warmup: usize,
+    pub steps: usize,
+    /// Positions decoded, 0..context.
+    pub context: usize,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn pct(v: &[f64], p: f64) -> f64 {
+    // v sorted
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+impl CudarcBackend {
+    fn elapsed_ms(&mut self, a: sys::CUevent, b: sys::CUevent) -> Result<f64> {
+        // SAFETY: both events recorded and complete.
+        unsafe { result::event::elapsed(a, b) }
+            .map(f64::from)
+            .map_err(|e| self.fail("cuEventElapsedTime", e))
+    }
+
+    /// Streaming-read bandwidth in GB/s (1e9 B/s): median of `reps` reads of
+    /// a `bytes` buffer filled with a non-zero pattern.
+    pub fn stream_bandwidth(&mut self, bytes: u64, reps: usize) -> Result<f64> {
+        self.usable()?;
+        let bytes = bytes & !15;
+        let (free, _) = result::mem_get_info().map_err(|e| self.fail("cuMemGetInfo", e))?;
+        if bytes + (256 << 20) > free as u64 {
+            return Err(Error::OutOfMemory {
+                what: "the streaming-read buffer".into(),
+                needed: bytes,
+                available: free as u64,
+            });
+        }
+        let buf = DeviceBuffer::alloc(bytes, "stream buffer")?;
+        // SAFETY: buf holds `bytes` bytes. Never time zeros: 0xA5 pattern.
+        unsafe { result::memset_d8_sync(buf.ptr, 0xA5, bytes as usize) }
+            .map_err(|e| self.fail("cuMemsetD8", e))?;
+        // SAFETY: valid function handle.
+        let occ = unsafe {
+            result::occupancy::max_active_block_per_multiprocessor(
+                self.funcs.stream_read,
+                THREADS_PER_CTA as i32,
+                0,
+            )
+        }
+        .map_err(|e| self.fail("cuOccupancyMaxActiveBlocksPerMultiprocessor", e))?
+        .max(1) as u32;
+        let grid = occ * self.info.sms;
+        let out = DeviceBuffer::zeroed(grid as u64 * 4, "stream checksums")?;
+        let mut p = StreamParams {
+            src: buf.ptr,
+            n_vec16: bytes / 16,
+            out: out.ptr,
+        };
+        let mut times = Vec::new();
+        let evs = (0..=reps + 1)
+            .map(|_| self.new_event())
+            .collect::<Result<Vec<_>>>()?;
+        self.record(evs[0])?;
+        for (i, &ev) in evs.iter().enumerate().skip(1) {
+            let mut args = [(&mut p as *mut StreamParams).cast::<c_void>()];
+            // SAFETY: one StreamParams by value; buffers live until the end.
+            unsafe {
+                result::launch_kernel(
+                    self.funcs.stream_read,
+                    (grid, 1, 1),
+                    (THREADS_PER_CTA, 1, 1),
+                    0,
+                    self.stream,
+                    &mut args,
+                )
+            }
+            .map_err(|e| self.fail("cuLaunchKernel (stream read)", e))?;
+            self.record(ev)?;
+            let _ = i;
+        }
+        let last = *evs.last().expect("reps + 2 events");
+        let r = self.wait(last, Duration::from_secs(60));
+        if r.is_ok() {
+            // The first launch is a warm-up.
+            for w in evs[1..].windows(2) {
+                times.push(self.elapsed_ms(w[0], w[1])?);
+            }
+        }
+        for ev in evs {
+            // SAFETY: live events, no longer used.
+            let _ = unsafe { result::event::destroy(ev) };
+        }
+        r?;
+        let ms = median(&mut times);
+        Ok(bytes as f64 / (ms * 1e-3) / 1e9)
+    }
+
+    /// Greedy decode of `warmup + steps` positions back to back (the kernel
+    /// feeds its own pick to the next step on the device), timed per step
+    /// with events, then the floor. Resets the engine before and after.
+    pub fn bench(&mut self, opts: &BenchOptions) -> Result<BenchReport> {
+        let total = opts.warmup + opts.steps;
+        if opts.steps == 0 || total > self.capacity {
+            return Err(Error::Option {
+                field: "steps",
+                reason: format!(
+                    "{} warm-up + {} timed steps must be >= 1 and fit the {}-position KV cache",
+                    opts.warmup, opts.steps, self.capacity
+                ),
+            });
+        }
+        self.reset()?;
+        let evs = (0..=total)
+            .map(|_| self.new_event())
+            .collect::<Result<Vec<_>>>()?;
+        let run = (|| -> Result<Vec<f64>> {
+            self.record(evs[0])?;
+            for pos in 0..total {
+                let flags = if pos == 0 { 0 } else { FLAG_TOKEN_FROM_ARGMAX };
+                self.launch_step(opts.first_token, pos, flags)?;
+                self.record(evs[pos + 1])?;
+            }
+            let deadline = self.opts.step_deadline.saturating_mul(total as u32);
+            self.wait(evs[total], deadline)?;
+            let mut t = Vec::with_capacity(opts.steps);
+            for i in opts.warmup..total {
+                t.push(self.elapsed_ms(evs[i], evs[i + 1])? * 1e3);
+            }
+            Ok(t)
+        })();
+        for ev in evs {
+            // SAFETY: live events, no longer used.
+            let _ = unsafe { result::event::destroy(ev) };
+        }
+        let mut us = run?;
+        let barriers = self.barriers_last_step();
+        self.reset()?;
+        let us_med = median(&mut us);
+        let (p10, p90) = (pct(&us, 0.1), pct(&us, 0.9));
+
+        // Bytes: weights of one step + the mean KV traffic of the timed steps.
+        let c = &self.config;
+        let kv_row = 2 * c.kv_dim() as u64 * c.num_hidden_layers as u64 * 2; // K and V, bf16
+        let kv_total: u64 = (opts.warmup..total).map(|p| kv_row * (p as u64 + 1) + kv_row).sum();
+        let bytes_per_step = self.weight_bytes + kv_total / opts.steps as u64;
+
+        let floor_gbps = self.stream_bandwidth(opts.stream_bytes, opts.stream_reps)?;
+        let gbps = bytes_per_step as f64 / (us_med * 1e-6) / 1e9;
+        Ok(BenchReport {
+            device: format!("{} ({})", self.info.name, self.info.arch),
+            tok_per_s: 1e6 / us_med,
+            us_per_step: us_med,
+            us_p10: p10,
+            us_p90: p90,
+            bytes_per_step,
+            gbps,
+            floor_gbps,
+            pct_of_floor: 100.0 * gbps / floor_gbps,
+            floor_tok_per_s: floor_gbps * 1e9 / bytes_per_step as f64,
+            barriers_per_step: barriers,
+            grid: self.launch.grid,
+            ctas_per_sm: self.launch.ctas_per_sm,
+            registers: self.launch.registers,
+            warmup: opts.warmup,
+            steps: opts.steps,
+            context: total,
+        })
+    }
+}

@@ -1,0 +1,200 @@
+//! GPU tests: the megakernel against the CPU reference on the same synthetic
+//! weights, the trap probe, determinism and the error paths. Each test skips
+//! with a printed reason when there is no CUDA device (or no libcuda).
+//!
+//! Run on the GPU machine from the prebuilt test binary (scripts/gpu/check.sh):
+//! `gpu-<hash> --test-threads=1 --nocapture`.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use qmk_backend_cudarc::{device_count, CudarcBackend, Error, Options};
+use qmk_engine::Backend;
+use qmk_model::reference::{Reference, ReferenceOptions};
+use qmk_model::{synthetic_weights, Config, Weights};
+
+/// One GPU test at a time: each launch wants every SM.
+static GPU: Mutex<()> = Mutex::new(());
+
+const SEED: u64 = 20261129;
+/// A fixed prompt (Qwen2.5 token ids), fed one step at a time.
+const PROMPT: [u32; 8] = [9707, 11, 1879, 0, 3555, 374, 279, 6722];
+const GREEDY_STEPS: usize = 32;
+const TOL: f64 = 1e-2;
+
+fn gpu_or_skip(test: &str) -> Option<std::sync::MutexGuard<'static, ()>> {
+    match device_count() {
+        Ok(_) => Some(GPU.lock().unwrap_or_else(|e| e.into_inner())),
+        Err(e) => {
+            println!("SKIPPED {test}: {e}");
+            None
+        }
+    }
+}
+
+fn rel_err(gpu: &[f32], cpu: &[f32]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&g, &c) in gpu.iter().zip(cpu) {
+        num += (g as f64 - c as f64).powi(2);
+        den += (c as f64).powi(2);
+    }
+    (num / den).sqrt()
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn backend(w: &Weights, capacity: usize) -> CudarcBackend {
+    let opts = Options {
+        capacity,
+        ..Options::default()
+    };
+    let b = CudarcBackend::new(w, opts, &mut ()).unwrap_or_else(|e| panic!("backend: {e}"));
+    let l = b.launch_info();
+    println!(
+        "device {} ({}), grid {} x {} threads ({} CTA/SM of max {}), {} B dyn smem, {} regs, {} barriers/step",
+        b.device().name,
+        b.arch(),
+        l.grid,
+        l.block,
+        l.ctas_per_sm,
+        l.max_ctas_per_sm,
+        l.smem_bytes,
+        l.registers,
+        b.kernel_build().barriers_per_step
+    );
+    b
+}
+
+/// Prompt, then greedy steps: ids equal and logits close at every step.
+fn matches_reference(preset: &str) {
+    let Some(_g) = gpu_or_skip(preset) else { return };
+    let config = Config::preset(preset).unwrap();
+    let t = std::time::Instant::now();
+    let w = Arc::new(synthetic_weights(&config, SEED));
+    println!("{preset}: synthetic weights in {:.1} s", t.elapsed().as_secs_f64());
+    let capacity = PROMPT.len() + GREEDY_STEPS + 1;
+    let mut gpu = backend(&w, capacity);
+    let mut cpu =
+        Reference::new(w.clone(), ReferenceOptions::new(capacity).kv_bf16(true)).unwrap();
+    let mut token = PROMPT[0];
+    let mut max_err = 0f64;
+    let mut ids = Vec::new();
+    for pos in 0..PROMPT.len() + GREEDY_STEPS {
+        if pos < PROMPT.len() {
+            token = PROMPT[pos];
+        }
+        let out = gpu.step(token, pos).unwrap();
+        let lg = gpu.logits().unwrap();
+        let lc = cpu.step(token, pos).unwrap();
+        let e = rel_err(&lg, &lc);
+        max_err = max_err.max(e);
+        let (ig, ic) = (out.argmax, argmax(&lc));
+        println!(
+            "{preset} pos {pos:2} token {token:6}: gpu {ig:6} cpu {ic:6} rel err {e:.3e} (gpu logits argmax {})",
+            argmax(&lg)
+        );
+        assert_eq!(ig, argmax(&lg), "{preset} pos {pos}: kernel argmax disagrees with its logits");
+        assert!(e <= TOL, "{preset} pos {pos}: relative logits error {e:.3e} > {TOL}");
+        if pos + 1 >= PROMPT.len() {
+            assert_eq!(ig, ic, "{preset} pos {pos}: greedy ids differ");
+            ids.push(ig);
+        }
+        token = ig;
+    }
+    println!("{preset}: {GREEDY_STEPS} greedy steps, ids equal, max rel err {max_err:.3e}; ids {ids:?}");
+}
+
+#[test]
+fn megakernel_matches_reference_0_5b() {
+    matches_reference("0.5b");
+}
+
+#[test]
+fn megakernel_matches_reference_7b() {
+    matches_reference("7b");
+}
+
+#[test]
+fn logits_are_bit_identical_across_runs_and_a_hang_becomes_an_error() {
+    let Some(_g) = gpu_or_skip("determinism") else { return };
+    let config = Config::preset("0.5b").unwrap();
+    let w = synthetic_weights(&config, SEED);
+    let mut b = backend(&w, 64);
+    let run = |b: &mut CudarcBackend| -> Vec<Vec<f32>> {
+        b.reset().unwrap();
+        let mut tok = PROMPT[0];
+        (0..12)
+            .map(|pos| {
+                tok = b.step(tok, pos).unwrap().argmax;
+                b.logits().unwrap()
+            })
+            .collect()
+    };
+    let a = run(&mut b);
+    let c = run(&mut b);
+    assert!(a == c, "logits differ between two identical runs");
+    println!("determinism: 12 steps bit-identical across two runs");
+    println!("barriers in the last step: {}", b.barriers_last_step());
+    assert_eq!(b.barriers_last_step(), b.kernel_build().barriers_per_step);
+
+    // Bad inputs are typed errors, checked before launch.
+    b.reset().unwrap();
+    assert!(matches!(b.step(config.vocab_size as u32, 0), Err(Error::Token { .. })));
+    assert!(matches!(b.step(1, 64), Err(Error::Position { .. })));
+    assert!(matches!(b.step(1, 5), Err(Error::Position { .. })));
+
+    // A spin-wait that runs out of budget: a kernel error, then reset works.
+    b.set_spin_timeout(Duration::from_nanos(1));
+    let e = b.step(1, 0).unwrap_err();
+    println!("tiny spin budget -> {e}");
+    assert!(matches!(e, Error::Kernel { code: 1, .. }), "{e}");
+    assert!(matches!(b.step(1, 0), Err(Error::NeedsReset(_))));
+    b.set_spin_timeout(Duration::from_secs(2));
+    b.reset().unwrap();
+    assert_eq!(b.step(PROMPT[0], 0).unwrap().argmax, argmax(&a[0]));
+
+    // A host deadline of zero: the host raises the abort flag, the kernel
+    // stops at its next spin-wait check, the host reports a timeout.
+    b.set_step_deadline(Duration::ZERO);
+    let e = b.step(PROMPT[1], 1).unwrap_err();
+    println!("zero host deadline -> {e}");
+    assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    b.set_step_deadline(Duration::from_secs(30));
+    b.reset().unwrap();
+    assert_eq!(b.step(PROMPT[0], 0).unwrap().argmax, argmax(&a[0]));
+    println!("error paths: token, position, spin timeout, host deadline all typed; reset recovers");
+}
+
+#[test]
+fn trap_probe_wraps_unsplit_exactly_where_predicted_14b() {
+    let Some(_g) = gpu_or_skip("trap probe") else { return };
+    let w = synthetic_weights(&Config::preset("0.5b").unwrap(), SEED);
+    let mut b = backend(&w, 16);
+    let cfg = Config::preset("14b").unwrap();
+    let r = b.trap_probe(&cfg, "gate_proj").unwrap();
+    println!(
+        "trap probe {} {} ({} bytes, {} bytes/layer): predicted first wrong layer {:?}",
+        r.tensor, r.layout, r.total_bytes, r.layer_bytes, r.predicted_first_wrong
+    );
+    println!(
+        "  split   chunks {:?}: wrong layers {:?}",
+        r.split.chunks, r.split.wrong_layers
+    );
+    println!(
+        "  unsplit chunks {:?}: first wrong {:?}, wrong layers {:?}",
+        r.unsplit.chunks, r.unsplit.first_wrong, r.unsplit.wrong_layers
+    );
+    println!("  unsplit reads landed in layers {:?}", r.unsplit.landed_in);
+    assert_eq!(r.predicted_first_wrong, Some(30));
+    assert!(r.split.wrong_layers.is_empty());
+    assert_eq!(r.unsplit.first_wrong, Some(30));
+    assert!(r.as_predicted());
+}

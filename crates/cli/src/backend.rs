@@ -1,0 +1,222 @@
+//! One concrete backend type for the CLI's engine, whatever runs underneath
+//! (CPU reference, cudarc, cust), plus an optional tap that records the top
+//! log-probabilities of every generated position (`--top-logprobs`).
+
+use qmk_engine::{Backend, BackendKind, StepOutput};
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Object-safe mirror of [`Backend`] with boxed errors.
+trait ErasedBackend {
+    fn kind(&self) -> BackendKind;
+    fn capacity(&self) -> usize;
+    fn step(&mut self, token: u32, pos: usize) -> Result<StepOutput, BoxError>;
+    fn logits(&mut self) -> Result<Vec<f32>, BoxError>;
+    fn reset(&mut self) -> Result<(), BoxError>;
+}
+
+impl<B: Backend> ErasedBackend for B {
+    fn kind(&self) -> BackendKind {
+        Backend::kind(self)
+    }
+    fn capacity(&self) -> usize {
+        Backend::capacity(self)
+    }
+    fn step(&mut self, token: u32, pos: usize) -> Result<StepOutput, BoxError> {
+        Backend::step(self, token, pos).map_err(|e| Box::new(e) as BoxError)
+    }
+    fn logits(&mut self) -> Result<Vec<f32>, BoxError> {
+        Backend::logits(self).map_err(|e| Box::new(e) as BoxError)
+    }
+    fn reset(&mut self) -> Result<(), BoxError> {
+        Backend::reset(self).map_err(|e| Box::new(e) as BoxError)
+    }
+}
+
+/// A backend error, shown as the underlying backend shows it.
+#[derive(Debug)]
+pub struct AnyError(BoxError);
+
+impl std::fmt::Display for AnyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for AnyError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+/// The CPU reference as a [`Backend`].
+///
+/// TEMPORARY (decoding helper): stands in until `qmk_engine::CpuBackend`
+/// lands; then `common::cpu_backend` switches to it and this goes.
+pub struct RefBackend {
+    reference: qmk_model::reference::Reference,
+    logits: Vec<f32>,
+}
+
+impl RefBackend {
+    pub fn new(
+        weights: std::sync::Arc<qmk_model::Weights>,
+        capacity: usize,
+    ) -> Result<Self, qmk_model::ModelError> {
+        let reference = qmk_model::reference::Reference::new(
+            weights,
+            qmk_model::reference::ReferenceOptions::new(capacity),
+        )?;
+        Ok(RefBackend {
+            reference,
+            logits: Vec::new(),
+        })
+    }
+}
+
+impl Backend for RefBackend {
+    type Error = qmk_model::ModelError;
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cpu
+    }
+    fn capacity(&self) -> usize {
+        self.reference.capacity()
+    }
+    fn step(&mut self, token: u32, pos: usize) -> Result<StepOutput, Self::Error> {
+        self.logits = self.reference.step(token, pos)?;
+        Ok(StepOutput {
+            argmax: qmk_model::reference::argmax(&self.logits),
+        })
+    }
+    fn logits(&mut self) -> Result<Vec<f32>, Self::Error> {
+        Ok(self.logits.clone())
+    }
+    fn reset(&mut self) -> Result<(), Self::Error> {
+        self.logits.clear();
+        Ok(())
+    }
+}
+
+/// Top-`k` (token id, natural-log probability) per generated position.
+pub type TopLogprobs = Vec<Vec<(u32, f32)>>;
+
+struct Tap {
+    k: usize,
+    /// Logits of positions `>= from_pos` predict generated tokens.
+    from_pos: usize,
+    records: TopLogprobs,
+}
+
+/// Any backend, erased, with an optional top-logprobs tap.
+pub struct AnyBackend {
+    inner: Box<dyn ErasedBackend>,
+    tap: Option<Tap>,
+}
+
+impl AnyBackend {
+    pub fn new<B: Backend + 'static>(backend: B) -> Self {
+        AnyBackend {
+            inner: Box::new(backend),
+            tap: None,
+        }
+    }
+
+    /// Records the top `k` log-probabilities after every step at a position
+    /// `>= prompt_len - 1` (each of those picks a generated token). Cleared
+    /// by `reset`.
+    pub fn record_top_logprobs(&mut self, k: usize, prompt_len: usize) {
+        self.tap = (k > 0).then(|| Tap {
+            k,
+            from_pos: prompt_len.saturating_sub(1),
+            records: Vec::new(),
+        });
+    }
+
+    /// What the tap recorded, one entry per generated token.
+    pub fn take_top_logprobs(&mut self) -> TopLogprobs {
+        self.tap
+            .as_mut()
+            .map(|t| std::mem::take(&mut t.records))
+            .unwrap_or_default()
+    }
+}
+
+impl Backend for AnyBackend {
+    type Error = AnyError;
+
+    fn kind(&self) -> BackendKind {
+        self.inner.kind()
+    }
+    fn capacity(&self) -> usize {
+        self.inner.capacity()
+    }
+    fn step(&mut self, token: u32, pos: usize) -> Result<StepOutput, AnyError> {
+        let out = self.inner.step(token, pos).map_err(AnyError)?;
+        if let Some(tap) = self.tap.as_mut() {
+            if pos >= tap.from_pos {
+                let logits = self.inner.logits().map_err(AnyError)?;
+                tap.records.push(top_logprobs(&logits, tap.k));
+            }
+        }
+        Ok(out)
+    }
+    fn logits(&mut self) -> Result<Vec<f32>, AnyError> {
+        self.inner.logits().map_err(AnyError)
+    }
+    fn reset(&mut self) -> Result<(), AnyError> {
+        if let Some(tap) = self.tap.as_mut() {
+            tap.records.clear();
+        }
+        self.inner.reset().map_err(AnyError)
+    }
+}
+
+/// The `k` most likely tokens with their log-softmax values, most likely
+/// first (lower id first on ties); non-finite logits never appear.
+pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|v| v.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return Vec::new();
+    }
+    let sum: f64 = logits
+        .iter()
+        .filter(|v| v.is_finite())
+        .map(|&v| ((v - max) as f64).exp())
+        .sum();
+    let log_z = max as f64 + sum.ln();
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    for (i, &v) in logits.iter().enumerate() {
+        if !v.is_finite() {
+            continue;
+        }
+        if best.len() == k && best.last().is_some_and(|&(_, w)| v <= w) {
+            continue;
+        }
+        let at = best.partition_point(|&(_, w)| w >= v);
+        best.insert(at, (i as u32, v));
+        best.truncate(k);
+    }
+    best.into_iter()
+        .map(|(i, v)| (i, (v as f64 - log_z) as f32))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_logprobs_are_sorted_normalised_and_tie_stable() {
+        let l = [1.0f32, 3.0, 3.0, f32::NAN, 2.0];
+        let t = top_logprobs(&l, 3);
+        assert_eq!(t.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 2, 4]);
+        let z: f64 = [1.0f64, 3.0, 3.0, 2.0].iter().map(|v| v.exp()).sum();
+        assert!((t[0].1 as f64 - (3.0 - z.ln())).abs() < 1e-5);
+        assert_eq!(top_logprobs(&l, 10).len(), 4);
+        assert!(top_logprobs(&[f32::NAN], 2).is_empty());
+    }
+}

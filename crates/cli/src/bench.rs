@@ -1,0 +1,140 @@
+//! `qwen-mk bench`: decode speed of the megakernel on synthetic weights at a
+//! preset's full shapes, against the bandwidth floor measured in the same
+//! run (DESIGN.md section 4). `--json` prints one JSON object.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use qmk_backend_cudarc::{BenchOptions, CudarcBackend, Options, Progress};
+use qmk_model::{synthetic_weights, Config};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Model shape: 0.5b, 1.5b, 3b, 7b, 14b, 32b, 72b (synthetic weights).
+    #[arg(long, default_value = "7b")]
+    preset: String,
+    /// GPU backend (cudarc; cust comes with its issue).
+    #[arg(long, default_value = "cudarc")]
+    backend: String,
+    /// Untimed steps.
+    #[arg(long, default_value_t = 16)]
+    warmup: usize,
+    /// Timed steps (median reported).
+    #[arg(long, default_value_t = 128)]
+    steps: usize,
+    /// Size of the streaming-read buffer for the floor, GiB.
+    #[arg(long, default_value_t = 4)]
+    stream_gib: u64,
+    /// Synthetic-weight seed.
+    #[arg(long, default_value_t = 20261129)]
+    seed: u64,
+    /// Load this cubin instead of compiling with NVRTC.
+    #[arg(long)]
+    cubin: Option<std::path::PathBuf>,
+    /// Cap CTAs per SM (default: the occupancy API's answer).
+    #[arg(long)]
+    ctas_per_sm: Option<u32>,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// One JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+struct Bar(Option<indicatif::ProgressBar>);
+
+impl Progress for Bar {
+    fn begin(&mut self, what: &str, total: u64) {
+        if let Some(b) = &self.0 {
+            b.set_length(total);
+            b.set_message(what.to_string());
+        }
+    }
+    fn advance(&mut self, bytes: u64) {
+        if let Some(b) = &self.0 {
+            b.inc(bytes);
+        }
+    }
+    fn finish(&mut self) {
+        if let Some(b) = self.0.take() {
+            b.finish_and_clear();
+        }
+    }
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.backend != "cudarc" {
+        bail!("bench supports --backend cudarc (got `{}`)", a.backend);
+    }
+    let config = Config::preset(&a.preset)?;
+    let say = |s: String| {
+        if !a.json {
+            eprintln!("{s}");
+        }
+    };
+    say(format!("generating synthetic {} weights (seed {})", a.preset, a.seed));
+    let weights = synthetic_weights(&config, a.seed);
+    let capacity = a.warmup + a.steps + 1;
+    let opts = Options {
+        device: a.device,
+        capacity,
+        cubin: a.cubin.clone(),
+        ctas_per_sm: a.ctas_per_sm,
+        ..Options::default()
+    };
+    let bar = if a.json {
+        None
+    } else {
+        let b = indicatif::ProgressBar::new(0);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{msg} {bytes}/{total_bytes} {bar:30}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        Some(b)
+    };
+    let mut backend = CudarcBackend::new(&weights, opts, &mut Bar(bar))
+        .with_context(|| format!("setting up the cudarc backend for {}", a.preset))?;
+    drop(weights);
+    let r = backend.bench(&BenchOptions {
+        warmup: a.warmup,
+        steps: a.steps,
+        stream_bytes: a.stream_gib << 30,
+        ..BenchOptions::default()
+    })?;
+    let l = backend.launch_info();
+    if a.json {
+        let v = serde_json::json!({
+            "preset": a.preset,
+            "backend": a.backend,
+            "device": r.device,
+            "tok_per_s": r.tok_per_s,
+            "us_per_step": r.us_per_step,
+            "us_p10": r.us_p10,
+            "us_p90": r.us_p90,
+            "gbps": r.gbps,
+            "floor_gbps": r.floor_gbps,
+            "pct_of_floor": r.pct_of_floor,
+            "floor_tok_per_s": r.floor_tok_per_s,
+            "bytes_per_step": r.bytes_per_step,
+            "barriers_per_step": r.barriers_per_step,
+            "grid": r.grid,
+            "ctas_per_sm": r.ctas_per_sm,
+            "registers": r.registers,
+            "smem_bytes": l.smem_bytes,
+            "warmup": r.warmup,
+            "steps": r.steps,
+            "context": r.context,
+        });
+        println!("{v}");
+    } else {
+        println!("{} on {} (cudarc), synthetic weights, positions 0..{}", a.preset, r.device, r.context);
+        println!("  tok/s          {:>10.1}", r.tok_per_s);
+        println!("  us/step        {:>10.1}  (p10 {:.1}, p90 {:.1}, median of {})", r.us_per_step, r.us_p10, r.us_p90, r.steps);
+        println!("  bytes/step     {:>10}", r.bytes_per_step);
+        println!("  achieved GB/s  {:>10.1}", r.gbps);
+        println!("  floor GB/s     {:>10.1}  (streaming read, same cubin, same run)", r.floor_gbps);
+        println!("  % of floor     {:>10.1}  (floor {:.0} tok/s)", r.pct_of_floor, r.floor_tok_per_s);
+        println!("  barriers/step  {:>10}  grid {} x {} threads, {} regs, {} B smem", r.barriers_per_step, r.grid, l.block, r.registers, l.smem_bytes);
+    }
+    Ok(())
+}

@@ -1,0 +1,398 @@
+//! What `generate` and `chat` share: arguments, finding and loading a model,
+//! choosing a backend, sampling options and the stats line.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Args, ValueEnum};
+use qmk_engine::{BackendKind, EngineError, GenerateOptions, Generation, Sampling};
+use qmk_model::chat::{ChatTemplate, Message};
+use qmk_model::config::GenerationConfig;
+use qmk_model::tokenizer::Tokenizer;
+use qmk_model::{Config, Weights};
+
+use crate::backend::AnyBackend;
+use crate::gpu::{self, GpuError};
+use crate::hub;
+use crate::ui::Ui;
+
+/// Which model to run.
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// Hugging Face model id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or a local
+    /// model directory (config.json, tokenizer.json, *.safetensors).
+    #[arg(long, short = 'm', value_name = "HUB_ID|DIR")]
+    pub model: String,
+
+    /// Branch, tag or commit of a Hub model.
+    #[arg(long, default_value = "main")]
+    pub revision: String,
+}
+
+/// `--backend` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendChoice {
+    /// A GPU backend when a CUDA device is present, else the CPU reference.
+    Auto,
+    /// The megakernel through cudarc.
+    Cudarc,
+    /// The megakernel through cust (needs the `cust` build feature).
+    Cust,
+    /// The CPU reference (slow; no GPU needed).
+    Cpu,
+}
+
+/// How to run.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// Which backend runs the decode step.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    pub backend: BackendChoice,
+
+    /// KV-cache capacity in positions (prompt plus generated tokens).
+    /// Default: what the request needs (generate) or min(max_position_embeddings,
+    /// 8192) (chat).
+    #[arg(long, value_name = "POSITIONS")]
+    pub context: Option<usize>,
+
+    /// No progress bars, notes or stats on stderr (errors still show).
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
+}
+
+/// Sampling and stopping.
+#[derive(Debug, Clone, Args)]
+pub struct SamplingArgs {
+    /// Upper bound on generated tokens.
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    pub max_new_tokens: usize,
+
+    /// Softmax temperature; 0 (the default) is greedy decoding.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub temperature: f32,
+
+    /// Sample only among the K most likely tokens (0: no limit).
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    pub top_k: usize,
+
+    /// Sample only from the smallest set of tokens whose probability reaches
+    /// P, in (0, 1].
+    #[arg(
+        long,
+        default_value_t = 1.0,
+        allow_negative_numbers = true,
+        value_name = "P"
+    )]
+    pub top_p: f32,
+
+    /// Seed for sampling: the same seed gives the same tokens.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+
+    /// Keep generating past the model's end-of-turn / end-of-text tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+}
+
+impl SamplingArgs {
+    /// Checks the values before anything is downloaded or loaded.
+    pub fn sampling(&self) -> Result<Sampling> {
+        let s = Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+        };
+        s.validate().map_err(engine_error)?;
+        if self.max_new_tokens == 0 {
+            bail!("invalid value for --max-new-tokens: 0 (must be at least 1)");
+        }
+        Ok(s)
+    }
+
+    pub fn options(&self, stop_ids: Vec<u32>) -> Result<GenerateOptions> {
+        Ok(GenerateOptions {
+            max_new_tokens: self.max_new_tokens,
+            sampling: self.sampling()?,
+            stop_ids,
+            ignore_eos: self.ignore_eos,
+        })
+    }
+}
+
+/// A model's files, loaded except for the weights.
+pub struct Model {
+    /// `--model` as given.
+    pub name: String,
+    pub dir: PathBuf,
+    pub config: Config,
+    pub generation: GenerationConfig,
+    pub tokenizer: Tokenizer,
+}
+
+impl Model {
+    /// Finds the model (local directory or Hub download, checked) and loads
+    /// its config, generation config and tokenizer.
+    pub fn open(args: &ModelArgs, ui: &Ui) -> Result<Model> {
+        let dir = locate(&args.model, &args.revision, ui)?;
+        let config = Config::from_file(&dir.join("config.json"))?;
+        let generation = GenerationConfig::from_dir_or_config(&dir, &config)?;
+        let tokenizer = Tokenizer::from_dir(&dir)?;
+        Ok(Model {
+            name: args.model.clone(),
+            dir,
+            config,
+            generation,
+            tokenizer,
+        })
+    }
+
+    /// The chat template shipped with the model.
+    pub fn chat_template(&self) -> Result<ChatTemplate> {
+        ChatTemplate::from_dir(&self.dir).with_context(|| {
+            format!(
+                "model `{}` has no usable chat template (use --raw to feed the prompt as-is)",
+                self.name
+            )
+        })
+    }
+
+    /// End-of-turn / end-of-text ids: generation_config.json, else config.json.
+    pub fn stop_ids(&self) -> Vec<u32> {
+        let mut ids = self.generation.eos_token_id.clone();
+        if ids.is_empty() {
+            ids = self.config.eos_token_ids();
+        }
+        ids
+    }
+
+    /// Renders a conversation and tokenizes it (no special tokens added: the
+    /// template carries them).
+    pub fn encode_chat(&self, template: &ChatTemplate, messages: &[Message]) -> Result<Vec<u32>> {
+        let text = template.render(messages, true)?;
+        Ok(self.tokenizer.encode(&text)?)
+    }
+
+    /// Loads the weights (bf16, stacked), with a spinner.
+    pub fn load_weights(&self, ui: &Ui) -> Result<Arc<Weights>> {
+        let bar = ui.spinner(format!("loading weights from {}", self.dir.display()));
+        let w = qmk_model::checkpoint::load_weights(&self.dir);
+        bar.finish_and_clear();
+        Ok(Arc::new(w?))
+    }
+}
+
+/// A local model directory, or the snapshot directory of a Hub download.
+pub fn locate(spec: &str, revision: &str, ui: &Ui) -> Result<PathBuf> {
+    let path = Path::new(spec);
+    if path.is_dir() {
+        if !path.join("config.json").is_file() {
+            bail!("model directory {} has no config.json", path.display());
+        }
+        return Ok(path.to_path_buf());
+    }
+    if path.exists() {
+        bail!("--model {spec}: not a directory (pass the model's directory, not a file)");
+    }
+    let local_looking = spec.starts_with(['.', '/', '~']) || spec.contains('\\');
+    if local_looking || !hub::looks_like_repo_id(spec) {
+        bail!("--model {spec}: no such directory, and not a Hugging Face model id (owner/name)");
+    }
+    hub::fetch_model(spec, revision, ui)
+}
+
+/// Checks a prompt's length against the model and the requested context,
+/// and settles the KV capacity and the number of new tokens. Returns
+/// (capacity, max_new_tokens).
+pub fn plan_context(
+    config: &Config,
+    prompt_len: usize,
+    max_new: usize,
+    context: Option<usize>,
+    ui: &Ui,
+) -> Result<(usize, usize)> {
+    let model_max = config.max_position_embeddings;
+    if let Some(c) = context {
+        if c == 0 {
+            bail!("invalid value for --context: 0 (must be at least 1)");
+        }
+        if c > model_max {
+            bail!("--context {c} exceeds the model's max_position_embeddings ({model_max})");
+        }
+    }
+    let limit = context.unwrap_or(model_max);
+    if prompt_len > limit {
+        let what = if context.is_some() {
+            format!("the context (--context {limit})")
+        } else {
+            format!("the model's context (max_position_embeddings = {limit})")
+        };
+        bail!("prompt too long: {prompt_len} tokens do not fit in {what}");
+    }
+    // The last generated token is never fed back: prompt + new - 1 positions.
+    let room = limit - prompt_len + 1;
+    let new = if max_new > room {
+        ui.note(format!(
+            "note: only {room} new tokens fit after the {prompt_len}-token prompt (context {limit}); generating at most {room}"
+        ));
+        room
+    } else {
+        max_new
+    };
+    let capacity = context.unwrap_or(prompt_len + new - 1);
+    Ok((capacity.max(1), new))
+}
+
+/// Estimated host memory of the CPU backend: bf16 weights, an f32 KV cache
+/// and the rotary tables.
+pub fn cpu_bytes(config: &Config, capacity: usize) -> (u128, u128) {
+    let weights = qmk_model::inventory::weight_bytes(config)
+        .map(|b| b.total.0 as u128)
+        .unwrap_or(0);
+    let per_pos = config.num_hidden_layers as u128 * config.kv_dim() as u128 * 2 * 4
+        + config.head_dim() as u128 * 4;
+    (weights, per_pos * capacity as u128)
+}
+
+/// Available host memory from /proc/meminfo, when known.
+fn available_memory() -> Option<u128> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u128 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Checks the CPU backend fits in host memory before allocating anything.
+pub fn check_cpu_memory(config: &Config, capacity: usize) -> Result<()> {
+    let (w, kv) = cpu_bytes(config, capacity);
+    if let Some(avail) = available_memory() {
+        if w + kv > avail {
+            bail!(
+                "out of memory: the cpu backend needs about {:.2} GiB (weights {:.2} GiB + KV cache {:.2} GiB for {capacity} positions) but only {:.2} GiB is available; lower --context",
+                (w + kv) as f64 / GIB,
+                w as f64 / GIB,
+                kv as f64 / GIB,
+                avail as f64 / GIB
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The backend `choice` resolves to here, before weights are loaded: a GPU
+/// (with its description) or the CPU. Explicit GPU choices fail without one.
+pub enum Target {
+    Cpu,
+    Gpu(BackendKind, gpu::GpuInfo),
+}
+
+pub fn choose_target(choice: BackendChoice, ui: &Ui) -> Result<Target> {
+    match choice {
+        BackendChoice::Cpu => Ok(Target::Cpu),
+        BackendChoice::Auto => match gpu::probe() {
+            Ok(info) => Ok(Target::Gpu(BackendKind::Cudarc, info)),
+            Err(e) => {
+                ui.note(format!("{e}; using the CPU reference backend (slow)"));
+                Ok(Target::Cpu)
+            }
+        },
+        BackendChoice::Cudarc | BackendChoice::Cust => {
+            let kind = if choice == BackendChoice::Cudarc {
+                BackendKind::Cudarc
+            } else {
+                BackendKind::Cust
+            };
+            if kind == BackendKind::Cust && !cfg!(feature = "cust") {
+                return Err(GpuError::NoCustFeature.into());
+            }
+            let info = gpu::probe().map_err(|e| anyhow!("--backend {}: {e}", kind.name()))?;
+            Ok(Target::Gpu(kind, info))
+        }
+    }
+}
+
+/// Loads the weights and builds the backend for `target`, with a KV cache of
+/// `capacity` positions. With `--backend auto`, a GPU that cannot be used
+/// (backend not built) falls back to the CPU, saying so.
+pub fn open_backend(
+    model: &Model,
+    target: Target,
+    auto: bool,
+    capacity: usize,
+    ui: &Ui,
+) -> Result<AnyBackend> {
+    if let Target::Cpu = target {
+        check_cpu_memory(&model.config, capacity)?;
+    }
+    let weights = model.load_weights(ui)?;
+    match target {
+        Target::Cpu => cpu_backend(weights, capacity),
+        Target::Gpu(kind, info) => match gpu::open(kind, &info, &weights, capacity, ui) {
+            Ok(b) => Ok(b),
+            Err(GpuError::NotBuilt(name)) if auto => {
+                ui.note(format!(
+                    "found {} but the {name} backend is not built into this qwen-mk yet; using the CPU reference backend (slow)",
+                    info.name
+                ));
+                check_cpu_memory(&model.config, capacity)?;
+                cpu_backend(weights, capacity)
+            }
+            Err(e) => Err(anyhow!("--backend {}: {e}", kind.name())),
+        },
+    }
+}
+
+fn cpu_backend(weights: Arc<Weights>, capacity: usize) -> Result<AnyBackend> {
+    let b = crate::backend::RefBackend::new(weights, capacity)
+        .context("cannot start the cpu backend")?;
+    Ok(AnyBackend::new(b))
+}
+
+/// An engine error as one readable line (a backend error's causes joined
+/// once, not repeated).
+pub fn engine_error(e: EngineError) -> anyhow::Error {
+    match e {
+        EngineError::Backend { backend, source } => {
+            anyhow!("{backend} backend: {}", flatten(source.as_ref()))
+        }
+        other => anyhow!("{other}"),
+    }
+}
+
+/// `e` and its sources as `a: b: c`, skipping a source whose text the line
+/// already holds.
+pub fn flatten(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        let t = s.to_string();
+        if !line.contains(&t) {
+            line.push_str(": ");
+            line.push_str(&t);
+        }
+        cur = s.source();
+    }
+    line
+}
+
+/// The closing stats line.
+pub fn stats_line(g: &Generation, backend: &str) -> String {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let prefill_rate = if g.prefill.is_zero() {
+        0.0
+    } else {
+        g.prompt_ids.len() as f64 / g.prefill.as_secs_f64()
+    };
+    format!(
+        "[{backend}] prompt {} tokens, prefill {:.1} ms ({:.1} tok/s); generated {} tokens, decode {:.2} tok/s",
+        g.prompt_ids.len(),
+        ms(g.prefill),
+        prefill_rate,
+        g.output_ids.len(),
+        g.decode_tok_per_s()
+    )
+}

@@ -1,0 +1,177 @@
+//! `qwen-mk generate`: one prompt in, text out (streamed, or one JSON object).
+
+use std::io::{Read, Write};
+use std::ops::ControlFlow;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use qmk_engine::{Backend, Engine, StopReason};
+use qmk_model::chat::Message;
+
+use crate::common::{
+    choose_target, engine_error, open_backend, plan_context, stats_line, BackendChoice, Model,
+    ModelArgs, RunArgs, SamplingArgs,
+};
+use crate::ui::Ui;
+
+/// Generate text from one prompt.
+#[derive(Debug, Clone, Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+
+    /// The prompt text (`-` reads it from stdin).
+    #[arg(long, short = 'p')]
+    pub prompt: String,
+
+    /// Feed the prompt as-is, without the chat template.
+    #[arg(long)]
+    pub raw: bool,
+
+    /// System message for the chat template (default: the template's own).
+    #[arg(long, conflicts_with = "raw")]
+    pub system: Option<String>,
+
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+
+    #[command(flatten)]
+    pub run: RunArgs,
+
+    /// Print one JSON object instead of streaming text: model, backend,
+    /// prompt_ids, output_ids, text, prefill_ms, decode_tok_per_s.
+    #[arg(long)]
+    pub json: bool,
+
+    /// With --json, add the N most likely tokens and their log-probabilities
+    /// at every generated position ("top_logprobs").
+    #[arg(long, value_name = "N", requires = "json", default_value_t = 0)]
+    pub top_logprobs: usize,
+}
+
+pub fn run(args: GenerateArgs) -> Result<()> {
+    let ui = Ui::new(args.run.quiet);
+    // Everything that can be checked without the model first.
+    let prompt = read_prompt(&args.prompt)?;
+    if prompt.is_empty() {
+        bail!("empty prompt: give some text with --prompt");
+    }
+    args.sampling.sampling()?;
+    let target = choose_target(args.run.backend, &ui)?;
+
+    let model = Model::open(&args.model, &ui)?;
+    let prompt_ids = if args.raw {
+        model.tokenizer.encode(&prompt)?
+    } else {
+        let template = model.chat_template()?;
+        let mut messages = Vec::new();
+        if let Some(sys) = &args.system {
+            messages.push(Message::system(sys.clone()));
+        }
+        messages.push(Message::user(prompt.clone()));
+        model.encode_chat(&template, &messages)?
+    };
+    if prompt_ids.is_empty() {
+        bail!("empty prompt: the text encodes to no tokens");
+    }
+    let (capacity, max_new) = plan_context(
+        &model.config,
+        prompt_ids.len(),
+        args.sampling.max_new_tokens,
+        args.run.context,
+        &ui,
+    )?;
+    let mut opts = args.sampling.options(model.stop_ids())?;
+    opts.max_new_tokens = max_new;
+    if opts.stop_ids.is_empty() && !opts.ignore_eos {
+        ui.note("note: the model names no end-of-text token; generating until --max-new-tokens");
+    }
+
+    let auto = args.run.backend == BackendChoice::Auto;
+    let mut backend = open_backend(&model, target, auto, capacity, &ui)?;
+    let backend_name = backend.kind().name();
+    if args.top_logprobs > 0 {
+        backend.record_top_logprobs(args.top_logprobs, prompt_ids.len());
+    }
+    let mut engine = Engine::new(backend, model.config.vocab_size);
+
+    let mut stream = (!args.json).then(|| model.tokenizer.stream_decoder(true));
+    let mut out = std::io::stdout().lock();
+    let mut write_err: Option<std::io::Error> = None;
+    let mut decode_err = None;
+    let generation = engine
+        .generate(&prompt_ids, &opts, |tok| {
+            let Some(dec) = stream.as_mut() else {
+                return ControlFlow::Continue(());
+            };
+            match dec.push(tok) {
+                Ok(Some(text)) => {
+                    if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+                        write_err = Some(e);
+                        return ControlFlow::Break(());
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    decode_err = Some(e);
+                    return ControlFlow::Break(());
+                }
+            }
+            ControlFlow::Continue(())
+        })
+        .map_err(engine_error)?;
+    if let Some(e) = decode_err {
+        return Err(e.into());
+    }
+    if let Some(e) = write_err {
+        // A closed pipe (`| head`) ends the run quietly.
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            return Ok(());
+        }
+        return Err(e).context("cannot write to stdout");
+    }
+
+    if args.json {
+        let text = model.tokenizer.decode(&generation.output_ids, true)?;
+        let mut obj = serde_json::json!({
+            "model": model.name,
+            "backend": backend_name,
+            "prompt_ids": generation.prompt_ids,
+            "output_ids": generation.output_ids,
+            "text": text,
+            "prefill_ms": generation.prefill.as_secs_f64() * 1e3,
+            "decode_tok_per_s": generation.decode_tok_per_s(),
+            "stop": match generation.stop {
+                StopReason::Eos => "eos",
+                StopReason::Length => "length",
+                StopReason::Caller => "caller",
+            },
+        });
+        if args.top_logprobs > 0 {
+            let top = engine.backend_mut().take_top_logprobs();
+            obj["top_logprobs"] = serde_json::to_value(top)?;
+        }
+        writeln!(out, "{obj}").context("cannot write to stdout")?;
+    } else {
+        if let Some(rest) = stream.as_mut().map(|d| d.flush()).transpose()?.flatten() {
+            let _ = out.write_all(rest.as_bytes());
+        }
+        let _ = writeln!(out);
+    }
+    let _ = out.flush();
+    if !ui.quiet() {
+        eprintln!("{}", stats_line(&generation, backend_name));
+    }
+    Ok(())
+}
+
+fn read_prompt(arg: &str) -> Result<String> {
+    if arg != "-" {
+        return Ok(arg.to_string());
+    }
+    let mut s = String::new();
+    std::io::stdin()
+        .read_to_string(&mut s)
+        .context("cannot read the prompt from stdin")?;
+    Ok(s)
+}

@@ -1,0 +1,54 @@
+//! `qwen-mk`: a thin command line over the engine. One module per command;
+//! each exposes an `Args` struct (clap derive) and `run(args) ->
+//! anyhow::Result<()>`. Errors print as one `error: ...` line, exit code 1.
+
+mod backend;
+mod bench;
+mod chat;
+mod common;
+mod generate;
+mod gpu;
+mod hub;
+mod plan;
+mod ui;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "qwen-mk", version, about = "Qwen2.5 decode megakernel engine")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a completion for a prompt.
+    Generate(generate::GenerateArgs),
+    /// Chat interactively, or over stdin.
+    Chat(chat::ChatArgs),
+    /// Show every stacked weight tensor's layout and split plan.
+    Plan(plan::PlanArgs),
+    /// Decode speed of the megakernel vs the bandwidth floor (synthetic weights).
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Chat(a) => chat::run(a),
+        Command::Plan(a) => plan::run(a),
+        Command::Bench(a) => bench::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // `{:#}` joins the context chain on one line.
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! `qwen-mk plan`: how every stacked weight tensor of a model is laid out
+//! and where the planner splits it so the kernel's 32-bit offsets never wrap.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use qmk_layout::{Bytes, ModelPlan, OffsetModel, TensorPlan};
+use qmk_model::{Config, WeightBytes, WeightKind};
+use serde::Serialize;
+
+/// Arguments of `qwen-mk plan`.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// A Qwen2.5 size: 0.5b, 1.5b, 3b, 7b, 14b, 32b or 72b.
+    #[arg(long, required_unless_present = "config", conflicts_with = "config")]
+    pub preset: Option<String>,
+    /// A config.json, or a model directory holding one.
+    #[arg(long, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `plan --json` output: the plan plus what it was made for and totals.
+#[derive(Serialize)]
+struct PlanJson<'a> {
+    /// The preset name or the config path.
+    model: &'a str,
+    offset_model: &'a OffsetModel,
+    /// Flat per tensor: name, shape, stride, dtype, byte_span, chunks.
+    tensors: &'a [TensorPlan],
+    /// Sum of every tensor's byte span.
+    total_bytes: Bytes,
+    /// Weight bytes one decode step reads (see `qmk_model::WeightBytes`).
+    per_decode_step_bytes: Bytes,
+}
+
+pub fn run(args: PlanArgs) -> Result<()> {
+    let (label, config) = match (&args.preset, &args.config) {
+        (Some(name), _) => (name.clone(), Config::preset(name)?),
+        (None, Some(path)) => {
+            let file = if path.is_dir() {
+                path.join("config.json")
+            } else {
+                path.clone()
+            };
+            (file.display().to_string(), Config::from_file(&file)?)
+        }
+        (None, None) => unreachable!("clap requires --preset or --config"),
+    };
+    let plan = qmk_model::model_plan(&config).context("planning the weight layout")?;
+    let bytes = qmk_model::weight_bytes(&config)?;
+    if args.json {
+        let out = PlanJson {
+            model: &label,
+            offset_model: &plan.offset_model,
+            tensors: &plan.tensors,
+            total_bytes: bytes.total,
+            per_decode_step_bytes: bytes.per_decode_step,
+        };
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        print!("{}", render(&label, &config, &plan, &bytes)?);
+    }
+    Ok(())
+}
+
+/// `6.79 GB (6794772480 bytes)`, `491.52 kB (491520 bytes)`: decimal units,
+/// the largest that keeps the number at least 1.
+fn bytes(b: Bytes) -> String {
+    let (unit, name) = [(1_000_000_000u64, "GB"), (1_000_000, "MB"), (1_000, "kB")]
+        .into_iter()
+        .find(|&(u, _)| b.0 >= u)
+        .unwrap_or((1, "B"));
+    if unit == 1 {
+        return format!("{} bytes", b.0);
+    }
+    // Integer rounding to hundredths; u128 so `* 100` cannot overflow.
+    let hundredths = (u128::from(b.0) * 100 + u128::from(unit / 2)) / u128::from(unit);
+    format!(
+        "{}.{:02} {name} ({} bytes)",
+        hundredths / 100,
+        hundredths % 100,
+        b.0
+    )
+}
+
+/// The person-readable report.
+fn render(label: &str, c: &Config, plan: &ModelPlan, totals: &WeightBytes) -> Result<String> {
+    let mut s = String::new();
+    writeln!(
+        s,
+        "model {label}: {} layers, hidden {}, intermediate {}, heads {} (kv {}) x {}, vocab {}, {}",
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_attention_heads,
+        c.num_kv_heads(),
+        c.head_dim(),
+        c.vocab_size,
+        if c.tie_word_embeddings {
+            "tied embeddings"
+        } else {
+            "untied lm_head"
+        },
+    )?;
+    let limit = plan.offset_model.limit()?;
+    writeln!(
+        s,
+        "offset model: {} (a chunk's largest offset must stay below {limit})\n",
+        plan.offset_model
+    )?;
+    let layouts: Vec<String> = plan
+        .tensors
+        .iter()
+        .map(|t| t.spec.layout.to_string())
+        .collect();
+    let name_w = plan
+        .tensors
+        .iter()
+        .map(|t| t.spec.name.len())
+        .chain([6])
+        .max()
+        .unwrap_or(6);
+    let layout_w = layouts
+        .iter()
+        .map(String::len)
+        .chain([6])
+        .max()
+        .unwrap_or(6);
+    writeln!(
+        s,
+        "{:name_w$}  {:5}  {:layout_w$}  {:>32}  chunks",
+        "tensor", "dtype", "layout", "byte span"
+    )?;
+    let mut split = 0usize;
+    let mut chunks = 0usize;
+    for (t, layout) in plan.tensors.iter().zip(&layouts) {
+        let span = t.spec.byte_span()?;
+        let per_layer = WeightKind::ALL
+            .iter()
+            .find(|k| k.name() == t.spec.name)
+            .is_some_and(|k| k.per_layer());
+        let axis = if per_layer { "layers" } else { "rows" };
+        chunks += t.chunks.len();
+        let note = if t.is_split() {
+            split += 1;
+            format!("{} (split)", t.chunks.len())
+        } else {
+            "1 (whole)".to_string()
+        };
+        writeln!(
+            s,
+            "{:name_w$}  {:5}  {layout:layout_w$}  {:>32}  {note}",
+            t.spec.name,
+            t.spec.dtype.to_string(),
+            bytes(span)
+        )?;
+        if t.is_split() {
+            for (i, ch) in t.chunks.iter().enumerate() {
+                writeln!(
+                    s,
+                    "{:name_w$}    chunk {i}: {axis} [{}, {}) {}",
+                    "",
+                    ch.start,
+                    ch.end,
+                    bytes(ch.byte_span)
+                )?;
+            }
+        }
+    }
+    writeln!(
+        s,
+        "\n{} tensors, {split} split, {chunks} chunks in all",
+        plan.tensors.len()
+    )?;
+    writeln!(s, "weights: {}", bytes(totals.total))?;
+    writeln!(
+        s,
+        "read per decode step: {} (every weight but the embedding table, one embedding row{})",
+        bytes(totals.per_decode_step),
+        if c.tie_word_embeddings {
+            ", and the tied embedding table as LM head"
+        } else {
+            ""
+        }
+    )?;
+    Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn report_for_14b_names_split_tensors() {
+        let c = Config::preset("14b").unwrap();
+        let plan = qmk_model::model_plan(&c).unwrap();
+        let text = render("14b", &c, &plan, &qmk_model::weight_bytes(&c).unwrap()).unwrap();
+        assert!(text.contains("(48,13824,5120):(70778880,5120,1)"), "{text}");
+        assert!(text.contains("chunk 1: layers [24, 48)"), "{text}");
+        assert!(text.contains("15 tensors, 3 split"), "{text}");
+    }
+
+    #[test]
+    fn byte_units() {
+        assert_eq!(bytes(Bytes(6_794_772_480)), "6.79 GB (6794772480 bytes)");
+        assert_eq!(bytes(Bytes(491_520)), "491.52 kB (491520 bytes)");
+        assert_eq!(bytes(Bytes(999)), "999 bytes");
+        assert_eq!(
+            bytes(Bytes(u64::MAX)),
+            "18446744073.71 GB (18446744073709551615 bytes)"
+        );
+    }
+}

@@ -1,0 +1,154 @@
+//! Every user error of `generate` / `chat` exits 1 with one readable
+//! `error:` line (no panic, no backtrace). Hub errors (unknown model, no
+//! network, offline cache miss, bad downloads) are in hub_loopback.rs.
+
+mod support;
+
+use std::path::Path;
+
+use support::{run, tiny_model};
+
+fn dir() -> Option<String> {
+    tiny_model().map(|p| p.to_string_lossy().into_owned())
+}
+
+fn gen(m: &str, extra: &[&str]) -> support::Run {
+    let mut args = vec!["generate", "--model", m, "--backend", "cpu"];
+    args.extend_from_slice(extra);
+    run(&args)
+}
+
+#[test]
+fn empty_prompt() {
+    let Some(m) = dir() else { return };
+    gen(&m, &["--prompt", ""]).assert_error(&["empty prompt"]);
+    gen(&m, &["--prompt", "", "--raw"]).assert_error(&["empty prompt"]);
+}
+
+#[test]
+fn prompt_longer_than_the_context() {
+    let Some(m) = dir() else { return };
+    let long = "word ".repeat(400);
+    // The tiny model's max_position_embeddings is 256.
+    gen(&m, &["--prompt", &long, "--raw"])
+        .assert_error(&["prompt too long", "tokens do not fit", "max_position_embeddings = 256"]);
+    gen(&m, &["--prompt", "one two three four five six", "--raw", "--context", "4"])
+        .assert_error(&["prompt too long", "--context 4"]);
+    gen(&m, &["--prompt", "Hi", "--context", "100000"])
+        .assert_error(&["--context 100000", "max_position_embeddings (256)"]);
+}
+
+#[test]
+fn invalid_sampling_values() {
+    let Some(m) = dir() else { return };
+    for (flag, value, field) in [
+        ("--temperature", "-1", "temperature"),
+        ("--temperature", "NaN", "temperature"),
+        ("--temperature", "inf", "temperature"),
+        ("--top-p", "0", "top_p"),
+        ("--top-p", "1.5", "top_p"),
+        ("--top-p", "-0.5", "top_p"),
+        ("--max-new-tokens", "0", "--max-new-tokens"),
+    ] {
+        gen(&m, &["--prompt", "Hi", flag, value]).assert_error(&["invalid", field]);
+    }
+    // Checked before anything is downloaded or loaded: a model that does
+    // not exist is not even looked at.
+    run(&["generate", "--model", "nobody/nothing", "--prompt", "Hi", "--top-p", "2"])
+        .assert_error(&["top_p"]);
+}
+
+#[test]
+fn missing_local_model() {
+    run(&["generate", "--model", "./no/such/dir", "--prompt", "Hi"])
+        .assert_error(&["./no/such/dir", "no such directory"]);
+    let Some(m) = dir() else { return };
+    let file = Path::new(&m).join("config.json");
+    run(&["generate", "--model", file.to_str().unwrap(), "--prompt", "Hi"])
+        .assert_error(&["not a directory"]);
+}
+
+fn gpu_present() -> bool {
+    Path::new("/dev/nvidiactl").exists()
+}
+
+#[test]
+fn no_gpu_for_a_gpu_backend() {
+    let Some(m) = dir() else { return };
+    if gpu_present() {
+        eprintln!("SKIP: a GPU is present; the no-GPU error cannot be provoked here");
+        return;
+    }
+    run(&["generate", "--model", &m, "--prompt", "Hi", "--backend", "cudarc"])
+        .assert_error(&["--backend cudarc", "no GPU"]);
+    // cust: either not compiled in, or no GPU.
+    let r = run(&["generate", "--model", &m, "--prompt", "Hi", "--backend", "cust"]);
+    r.assert_error(&[]);
+    assert!(
+        r.stderr.contains("no GPU") || r.stderr.contains("--features cust"),
+        "{r:#?}"
+    );
+    run(&["chat", "--model", &m, "--backend", "cudarc"]).assert_error(&["no GPU"]);
+}
+
+/// The tiny model with an enormous max_position_embeddings, so a context
+/// can be asked for that no machine holds.
+fn huge_context_model() -> Option<tempfile::TempDir> {
+    let m = dir()?;
+    let tmp = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&m).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
+    }
+    let cfg_path = tmp.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["max_position_embeddings"] = serde_json::json!(1u64 << 50);
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    Some(tmp)
+}
+
+#[test]
+fn out_of_memory_is_refused_before_allocating() {
+    let Some(tmp) = huge_context_model() else { return };
+    let d = tmp.path().to_str().unwrap();
+    let ctx = (1u64 << 45).to_string();
+    run(&["generate", "--model", d, "--prompt", "Hi", "--backend", "cpu", "--context", &ctx])
+        .assert_error(&["out of memory", "--context"]);
+    run(&["chat", "--model", d, "--backend", "cpu", "--context", &ctx])
+        .assert_error(&["out of memory"]);
+}
+
+#[test]
+fn out_of_device_memory() {
+    let Some(tmp) = huge_context_model() else { return };
+    if !gpu_present() {
+        eprintln!("SKIP: no GPU; out-of-device-memory needs one (the CPU twin is tested above)");
+        return;
+    }
+    let d = tmp.path().to_str().unwrap();
+    let ctx = (1u64 << 45).to_string();
+    let r = run(&["generate", "--model", d, "--prompt", "Hi", "--backend", "cudarc", "--context", &ctx]);
+    if r.stderr.contains("not built") {
+        eprintln!("SKIP: the cudarc backend is not wired into the CLI yet");
+        return;
+    }
+    r.assert_error(&["out of device memory"]);
+}
+
+#[test]
+fn broken_model_files_name_the_file() {
+    let Some(m) = dir() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&m).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
+    }
+    let d = tmp.path().to_str().unwrap();
+    std::fs::write(tmp.path().join("tokenizer.json"), "{ not json").unwrap();
+    run(&["generate", "--model", d, "--prompt", "Hi", "--backend", "cpu"])
+        .assert_error(&["tokenizer.json"]);
+    std::fs::write(tmp.path().join("config.json"), "{}").unwrap();
+    run(&["generate", "--model", d, "--prompt", "Hi", "--backend", "cpu"])
+        .assert_error(&["config.json"]);
+}

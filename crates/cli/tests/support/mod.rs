@@ -1,0 +1,198 @@
+//! Shared by the CLI's integration tests: a tiny synthetic Qwen2 model built
+//! with the real Qwen tokenizer files, and a runner for the `qwen-mk` binary
+//! with a clean environment and a deadline.
+#![allow(dead_code)]
+
+pub mod hub_server;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use qmk_layout::DType;
+use qmk_model::Config;
+
+/// `../shared` of the repository, or `$QMK_SHARED`.
+pub fn shared_dir() -> PathBuf {
+    match std::env::var_os("QMK_SHARED") {
+        Some(p) => PathBuf::from(p),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"),
+    }
+}
+
+/// The real Qwen tokenizer files (tokenizer.json, tokenizer_config.json,
+/// chat_template.jinja), or `None` with the reason printed.
+pub fn tokenizer_fixture() -> Option<PathBuf> {
+    let dir = shared_dir().join("fixtures/qwen-tokenizer");
+    if dir.join("tokenizer.json").is_file() {
+        Some(dir)
+    } else {
+        eprintln!(
+            "SKIP: tokenizer fixture not found at {} (set QMK_SHARED)",
+            dir.display()
+        );
+        None
+    }
+}
+
+/// A tiny Qwen2 config (2 layers, hidden 32) with the real vocabulary size,
+/// so the real tokenizer's ids are all in range.
+pub fn tiny_config() -> Config {
+    let mut c = Config::preset("0.5b").unwrap();
+    c.hidden_size = 32;
+    c.intermediate_size = 64;
+    c.num_hidden_layers = 2;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = Some(2);
+    c.head_dim = Some(8);
+    c.max_position_embeddings = 256;
+    c.tie_word_embeddings = true;
+    c
+}
+
+/// Writes the tiny model into `dir`: config.json, generation_config.json,
+/// the tokenizer files and safetensors (sharded when `shard_bytes` is set).
+pub fn write_tiny_model(dir: &Path, tokenizer: &Path, shard_bytes: Option<u64>) {
+    std::fs::create_dir_all(dir).unwrap();
+    let w = qmk_model::synthetic_weights(&tiny_config(), 7);
+    qmk_model::checkpoint::save_checkpoint(dir, &w, DType::BF16, shard_bytes).unwrap();
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"bos_token_id": 151643, "eos_token_id": [151645, 151643], "do_sample": false}"#,
+    )
+    .unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {
+        std::fs::copy(tokenizer.join(f), dir.join(f)).unwrap();
+    }
+}
+
+/// The tiny model, built once per test binary; `None` (skip) without the
+/// tokenizer fixture.
+pub fn tiny_model() -> Option<&'static Path> {
+    static DIR: OnceLock<Option<tempfile::TempDir>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let tok = tokenizer_fixture()?;
+        let d = tempfile::tempdir().unwrap();
+        write_tiny_model(d.path(), &tok, None);
+        Some(d)
+    })
+    .as_ref()
+    .map(|d| d.path())
+}
+
+/// What a run of the binary produced.
+#[derive(Debug)]
+pub struct Run {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Run {
+    /// Exit 1 with exactly one `error: ...` line on stderr that contains
+    /// every one of `needles`, and no panic.
+    pub fn assert_error(&self, needles: &[&str]) {
+        assert_eq!(self.code, 1, "expected exit 1: {self:#?}");
+        assert!(!self.stderr.contains("panicked"), "panic: {self:#?}");
+        assert!(!self.stderr.contains("stack backtrace"), "backtrace: {self:#?}");
+        let errors: Vec<&str> = self
+            .stderr
+            .lines()
+            .filter(|l| l.starts_with("error:"))
+            .collect();
+        assert_eq!(errors.len(), 1, "expected one error line: {self:#?}");
+        for n in needles {
+            assert!(
+                errors[0].contains(n),
+                "error line lacks `{n}`: {:?}\n{self:#?}",
+                errors[0]
+            );
+        }
+    }
+
+    pub fn assert_ok(&self) {
+        assert_eq!(self.code, 0, "expected success: {self:#?}");
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(self.stdout.trim())
+            .unwrap_or_else(|e| panic!("stdout is not one JSON object ({e}): {self:#?}"))
+    }
+}
+
+/// Runs `qwen-mk args...` with the HF_* environment cleared, `env` added,
+/// HOME pointing at an empty place, `stdin` fed, and a deadline.
+pub fn qwen_mk(args: &[&str], env: &[(&str, &str)], stdin: &str, timeout: Duration) -> Run {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_qwen-mk"));
+    cmd.args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for k in [
+        "HF_ENDPOINT",
+        "HF_HOME",
+        "HF_HUB_CACHE",
+        "HF_HUB_OFFLINE",
+        "HF_TOKEN",
+        "RUST_BACKTRACE",
+        "RUST_LIB_BACKTRACE",
+    ] {
+        cmd.env_remove(k);
+    }
+    // A place with no Hub cache or token of the user's.
+    static HOME: OnceLock<tempfile::TempDir> = OnceLock::new();
+    let home = HOME.get_or_init(|| tempfile::tempdir().unwrap());
+    cmd.env("HOME", home.path());
+    cmd.env("RUST_BACKTRACE", "1"); // a panic would show a backtrace: caught by assert_error
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("spawn qwen-mk");
+    {
+        use std::io::Write;
+        let mut sin = child.stdin.take().unwrap();
+        let data = stdin.as_bytes().to_vec();
+        std::thread::spawn(move || {
+            let _ = sin.write_all(&data);
+        });
+    }
+    let out_pipe = child.stdout.take().unwrap();
+    let err_pipe = child.stderr.take().unwrap();
+    let read_all = |mut p: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = Vec::new();
+            let _ = p.read_to_end(&mut s);
+            String::from_utf8_lossy(&s).into_owned()
+        })
+    };
+    let out_t = read_all(Box::new(out_pipe));
+    let err_t = read_all(Box::new(err_pipe));
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let stdout = out_t.join().unwrap();
+    let stderr = err_t.join().unwrap();
+    let Some(status) = status else {
+        panic!("qwen-mk {args:?} timed out after {timeout:?}\nstdout: {stdout}\nstderr: {stderr}");
+    };
+    Run {
+        code: status.code().unwrap_or(-1),
+        stdout,
+        stderr,
+    }
+}
+
+/// Shorthand: no extra env, no stdin, 120 s.
+pub fn run(args: &[&str]) -> Run {
+    qwen_mk(args, &[], "", Duration::from_secs(120))
+}

@@ -1,0 +1,383 @@
+//! The decode loop, written once above every backend.
+
+use std::ops::ControlFlow;
+use std::time::{Duration, Instant};
+
+use crate::sampling::{sample, Rng, Sampling};
+use crate::{Backend, EngineError};
+
+/// What to generate and when to stop.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateOptions {
+    pub max_new_tokens: usize,
+    pub sampling: Sampling,
+    /// Generation stops after emitting one of these (end-of-turn, end-of-text).
+    pub stop_ids: Vec<u32>,
+    /// Keep going past the stop ids (the golden tests do).
+    pub ignore_eos: bool,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_new_tokens: 256,
+            sampling: Sampling::greedy(),
+            stop_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopReason {
+    /// A stop id was emitted (it is included in the output).
+    Eos,
+    /// `max_new_tokens` were produced.
+    Length,
+    /// The caller's callback asked to stop.
+    Caller,
+}
+
+/// The result of one `generate` call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    pub prompt_ids: Vec<u32>,
+    pub output_ids: Vec<u32>,
+    pub stop: StopReason,
+    /// Time from the call to the first generated token (the prompt's steps).
+    pub prefill: Duration,
+    /// Time spent producing tokens after the first.
+    pub decode: Duration,
+}
+
+impl Generation {
+    /// Decode rate over the tokens after the first (the first comes out of
+    /// the prefill), or 0 when there were none.
+    pub fn decode_tok_per_s(&self) -> f64 {
+        let n = self.output_ids.len().saturating_sub(1);
+        if n == 0 || self.decode.is_zero() {
+            0.0
+        } else {
+            n as f64 / self.decode.as_secs_f64()
+        }
+    }
+}
+
+/// A backend plus the loop that drives it.
+pub struct Engine<B: Backend> {
+    backend: B,
+    vocab_size: usize,
+}
+
+impl<B: Backend> Engine<B> {
+    pub fn new(backend: B, vocab_size: usize) -> Self {
+        Engine {
+            backend,
+            vocab_size,
+        }
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
+    pub fn into_backend(self) -> B {
+        self.backend
+    }
+
+    fn backend_err(&self, e: B::Error) -> EngineError {
+        EngineError::Backend {
+            backend: self.backend.kind().name(),
+            source: Box::new(e),
+        }
+    }
+
+    /// Checks a request before any device work: prompt, vocabulary, capacity,
+    /// sampling values.
+    pub fn check(&self, prompt: &[u32], opts: &GenerateOptions) -> Result<(), EngineError> {
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if let Some((index, &id)) = prompt
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= self.vocab_size)
+        {
+            return Err(EngineError::TokenOutOfVocab {
+                index,
+                id,
+                vocab: self.vocab_size,
+            });
+        }
+        opts.sampling.validate()?;
+        // The last generated token is never fed back, so prompt + new - 1
+        // positions are written; checked_add guards absurd requests.
+        let needed = prompt
+            .len()
+            .checked_add(opts.max_new_tokens)
+            .map(|n| n - 1)
+            .unwrap_or(usize::MAX);
+        let capacity = self.backend.capacity();
+        if needed > capacity {
+            return Err(EngineError::ContextFull {
+                prompt: prompt.len(),
+                new: opts.max_new_tokens,
+                needed,
+                capacity,
+            });
+        }
+        Ok(())
+    }
+
+    /// Generates from `prompt` (token ids), calling `on_token` with each new
+    /// id as soon as it is chosen; the callback may stop generation early.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        mut on_token: impl FnMut(u32) -> ControlFlow<()>,
+    ) -> Result<Generation, EngineError> {
+        self.check(prompt, opts)?;
+        let start = Instant::now();
+        self.backend.reset().map_err(|e| self.backend_err(e))?;
+        let mut rng = Rng::new(opts.sampling.seed);
+        let greedy = opts.sampling.is_greedy();
+        let mut out = Vec::with_capacity(opts.max_new_tokens);
+        let mut stop = StopReason::Length;
+        let mut prefill = Duration::ZERO;
+        if opts.max_new_tokens == 0 {
+            return Ok(Generation {
+                prompt_ids: prompt.to_vec(),
+                output_ids: out,
+                stop,
+                prefill: start.elapsed(),
+                decode: Duration::ZERO,
+            });
+        }
+        let mut greedy_pick = self
+            .backend
+            .prefill(prompt, 0)
+            .map_err(|e| self.backend_err(e))?
+            .argmax;
+        let mut pos = prompt.len();
+        let mut decode_start = start;
+        loop {
+            let tok = if greedy {
+                greedy_pick
+            } else {
+                let logits = self.backend.logits().map_err(|e| self.backend_err(e))?;
+                sample(&logits, &opts.sampling, &mut rng)
+            };
+            if out.is_empty() {
+                prefill = start.elapsed();
+                decode_start = Instant::now();
+            }
+            out.push(tok);
+            if on_token(tok).is_break() {
+                stop = StopReason::Caller;
+                break;
+            }
+            if !opts.ignore_eos && opts.stop_ids.contains(&tok) {
+                stop = StopReason::Eos;
+                break;
+            }
+            if out.len() >= opts.max_new_tokens {
+                break;
+            }
+            let r = self
+                .backend
+                .step(tok, pos)
+                .map_err(|e| self.backend_err(e))?;
+            greedy_pick = r.argmax;
+            pos += 1;
+        }
+        Ok(Generation {
+            prompt_ids: prompt.to_vec(),
+            output_ids: out,
+            stop,
+            prefill,
+            decode: decode_start.elapsed(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{BackendKind, StepOutput};
+
+    /// A backend whose next token is a fixed function of the fed token, with
+    /// logits that make that token the argmax.
+    struct Fake {
+        vocab: usize,
+        cap: usize,
+        fed: Vec<(u32, usize)>,
+        last: u32,
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("fake failure")]
+    struct FakeErr;
+
+    impl Backend for Fake {
+        type Error = FakeErr;
+        fn kind(&self) -> BackendKind {
+            BackendKind::Cpu
+        }
+        fn capacity(&self) -> usize {
+            self.cap
+        }
+        fn step(&mut self, token: u32, pos: usize) -> Result<StepOutput, FakeErr> {
+            if pos != self.fed.len() {
+                return Err(FakeErr);
+            }
+            self.fed.push((token, pos));
+            self.last = (token * 7 + 3) % self.vocab as u32;
+            Ok(StepOutput { argmax: self.last })
+        }
+        fn logits(&mut self) -> Result<Vec<f32>, FakeErr> {
+            let mut l = vec![0.0; self.vocab];
+            l[self.last as usize] = 100.0;
+            Ok(l)
+        }
+        fn reset(&mut self) -> Result<(), FakeErr> {
+            self.fed.clear();
+            Ok(())
+        }
+    }
+
+    fn engine(cap: usize) -> Engine<Fake> {
+        Engine::new(
+            Fake {
+                vocab: 50,
+                cap,
+                fed: vec![],
+                last: 0,
+            },
+            50,
+        )
+    }
+
+    fn run(
+        e: &mut Engine<Fake>,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+    ) -> Result<Generation, EngineError> {
+        e.generate(prompt, opts, |_| ControlFlow::Continue(()))
+    }
+
+    #[test]
+    fn feeds_positions_in_order_and_never_feeds_the_last_token() {
+        let mut e = engine(64);
+        let opts = GenerateOptions {
+            max_new_tokens: 4,
+            ..Default::default()
+        };
+        let g = run(&mut e, &[1, 2, 3], &opts).unwrap();
+        // 3 -> 24 -> 21 -> 0 -> 3
+        assert_eq!(g.output_ids, vec![24, 21, 0, 3]);
+        let fed: Vec<_> = e.backend().fed.clone();
+        assert_eq!(fed, vec![(1, 0), (2, 1), (3, 2), (24, 3), (21, 4), (0, 5)]);
+        assert_eq!(g.stop, StopReason::Length);
+    }
+
+    #[test]
+    fn stops_at_eos_unless_ignored() {
+        let mut e = engine(64);
+        let mut opts = GenerateOptions {
+            max_new_tokens: 10,
+            stop_ids: vec![21],
+            ..Default::default()
+        };
+        let g = run(&mut e, &[3], &opts).unwrap();
+        assert_eq!(g.output_ids, vec![24, 21]);
+        assert_eq!(g.stop, StopReason::Eos);
+        opts.ignore_eos = true;
+        let g = run(&mut e, &[3], &opts).unwrap();
+        assert_eq!(g.output_ids.len(), 10);
+    }
+
+    #[test]
+    fn sampling_path_uses_logits_and_callback_can_stop() {
+        let mut e = engine(64);
+        let opts = GenerateOptions {
+            max_new_tokens: 10,
+            sampling: Sampling {
+                temperature: 0.8,
+                top_k: 0,
+                top_p: 0.9,
+                seed: 5,
+            },
+            ..Default::default()
+        };
+        let mut seen = 0;
+        let g = e
+            .generate(&[3], &opts, |_| {
+                seen += 1;
+                if seen == 3 {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            })
+            .unwrap();
+        assert_eq!(g.output_ids, vec![24, 21, 0]);
+        assert_eq!(g.stop, StopReason::Caller);
+    }
+
+    #[test]
+    fn bad_requests_are_refused_before_any_step() {
+        let mut e = engine(8);
+        let opts = GenerateOptions {
+            max_new_tokens: 4,
+            ..Default::default()
+        };
+        assert!(matches!(
+            run(&mut e, &[], &opts),
+            Err(EngineError::EmptyPrompt)
+        ));
+        let err = run(&mut e, &[1, 50], &opts).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                EngineError::TokenOutOfVocab {
+                    index: 1,
+                    id: 50,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // 6 prompt + 4 new - 1 = 9 positions > 8.
+        let err = run(&mut e, &[1; 6], &opts).unwrap_err();
+        assert!(err.to_string().contains("capacity of 8"), "{err}");
+        // Exactly at capacity is fine.
+        assert!(run(&mut e, &[1; 5], &opts).is_ok());
+        let bad = GenerateOptions {
+            sampling: Sampling {
+                temperature: -1.0,
+                ..Sampling::greedy()
+            },
+            ..opts.clone()
+        };
+        assert!(run(&mut e, &[1], &bad)
+            .unwrap_err()
+            .to_string()
+            .contains("temperature"));
+        let err = run(
+            &mut e,
+            &[1; 1],
+            &GenerateOptions {
+                max_new_tokens: usize::MAX,
+                ..opts
+            },
+        )
+        .unwrap_err();
+        assert!(matches!(err, EngineError::ContextFull { .. }));
+    }
+}

@@ -1,0 +1,620 @@
+//! Chat template: the Jinja template shipped with a checkpoint, rendered with
+//! minijinja the way transformers' `apply_chat_template` renders it.
+//!
+//! What transformers does, and so what this does:
+//! 1. The template comes from `chat_template.jinja` if that file exists, else
+//!    `chat_template.json` (`{"chat_template": ...}`), else the
+//!    `chat_template` field of `tokenizer_config.json`, which is a string or a
+//!    list of `{name, template}` (the one named `default` is used).
+//! 2. Jinja runs with `trim_blocks` and `lstrip_blocks` on, the loop-controls
+//!    extension, and no trailing-newline keeping.
+//! 3. The context holds `messages`, `tools` (none), `add_generation_prompt`,
+//!    and the special tokens of `tokenizer_config.json` (`bos_token`,
+//!    `eos_token`, ...) as strings.
+//! 4. Templates may call `raise_exception(msg)`, `strftime_now(fmt)`, Python
+//!    string/dict/list methods (`.strip()`, `.items()`, ...), and `tojson`,
+//!    which follows Python's `json.dumps` (`", "` and `": "` separators, no
+//!    HTML escaping, non-ASCII kept), not minijinja's built-in.
+//!
+//! The rendered text is then tokenized *without* adding special tokens.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{Environment, Error as JinjaError, ErrorKind};
+use serde::{Deserialize, Serialize};
+
+use crate::error::ModelError;
+
+/// One chat turn.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+impl Message {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+    pub fn system(content: impl Into<String>) -> Self {
+        Self::new("system", content)
+    }
+    pub fn user(content: impl Into<String>) -> Self {
+        Self::new("user", content)
+    }
+    pub fn assistant(content: impl Into<String>) -> Self {
+        Self::new("assistant", content)
+    }
+}
+
+/// A compiled chat template plus the special-token strings it may reference.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    /// The template text, as found.
+    source: String,
+    /// Where it came from, for error messages.
+    origin: String,
+    /// `bos_token`, `eos_token`, ... from `tokenizer_config.json`.
+    special_tokens: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("origin", &self.origin)
+            .field("special_tokens", &self.special_tokens)
+            .finish_non_exhaustive()
+    }
+}
+
+const TEMPLATE_NAME: &str = "chat";
+
+impl ChatTemplate {
+    /// Finds the template in a model directory (see the module docs for the
+    /// order) and reads the special tokens from `tokenizer_config.json`.
+    pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self, ModelError> {
+        let dir = dir.as_ref();
+        let config_path = dir.join("tokenizer_config.json");
+        let config: Option<serde_json::Value> = if config_path.exists() {
+            let text = read(&config_path)?;
+            Some(
+                serde_json::from_str(&text)
+                    .map_err(|e| template_err(&config_path, format!("invalid JSON: {e}")))?,
+            )
+        } else {
+            None
+        };
+
+        let jinja_path = dir.join("chat_template.jinja");
+        let json_path = dir.join("chat_template.json");
+        let (source, origin) = if jinja_path.exists() {
+            (read(&jinja_path)?, jinja_path)
+        } else if json_path.exists() {
+            let v: serde_json::Value = serde_json::from_str(&read(&json_path)?)
+                .map_err(|e| template_err(&json_path, format!("invalid JSON: {e}")))?;
+            let t = v
+                .get("chat_template")
+                .ok_or_else(|| template_err(&json_path, "no `chat_template` field".to_string()))?;
+            (pick_template(t, &json_path)?, json_path)
+        } else {
+            let t = config
+                .as_ref()
+                .and_then(|c| c.get("chat_template"))
+                .ok_or_else(|| {
+                    template_err(
+                        dir,
+                        "no chat template: none of chat_template.jinja, chat_template.json, \
+                         or a `chat_template` field in tokenizer_config.json"
+                            .to_string(),
+                    )
+                })?;
+            (pick_template(t, &config_path)?, config_path)
+        };
+
+        let special_tokens = config.as_ref().map(special_tokens).unwrap_or_default();
+        Self::new(source, origin.display().to_string(), special_tokens)
+    }
+
+    /// Compiles a template given as text; `origin` names it in errors.
+    pub fn new(
+        source: impl Into<String>,
+        origin: impl Into<String>,
+        special_tokens: BTreeMap<String, String>,
+    ) -> Result<Self, ModelError> {
+        let source = source.into();
+        let origin = origin.into();
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_keep_trailing_newline(false);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(TEMPLATE_NAME, source.clone())
+            .map_err(|e| ModelError::ChatTemplate {
+                origin: origin.clone(),
+                message: format!("does not compile: {e:#}"),
+            })?;
+        Ok(Self {
+            env,
+            source,
+            origin,
+            special_tokens,
+        })
+    }
+
+    /// Renders a conversation; with `add_generation_prompt` the text ends with
+    /// the assistant header so the model's reply comes next.
+    pub fn render(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String, ModelError> {
+        self.render_with(messages, None::<&()>, add_generation_prompt)
+    }
+
+    /// Like `render`, for any serializable message list (tool calls and other
+    /// extra fields) and an optional tool list.
+    pub fn render_with<M: Serialize + ?Sized, T: Serialize + ?Sized>(
+        &self,
+        messages: &M,
+        tools: Option<&T>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ModelError> {
+        let mut ctx: BTreeMap<String, Value> = self
+            .special_tokens
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::from(v.clone())))
+            .collect();
+        ctx.insert("messages".into(), Value::from_serialize(messages));
+        ctx.insert(
+            "tools".into(),
+            tools.map_or(Value::from(()), Value::from_serialize),
+        );
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::from(add_generation_prompt),
+        );
+        let tmpl = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| self.err(e))?;
+        tmpl.render(Value::from(ctx)).map_err(|e| self.err(e))
+    }
+
+    /// The template text.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Special-token strings offered to the template (`eos_token`, ...).
+    pub fn special_tokens(&self) -> &BTreeMap<String, String> {
+        &self.special_tokens
+    }
+
+    fn err(&self, e: JinjaError) -> ModelError {
+        ModelError::ChatTemplate {
+            origin: self.origin.clone(),
+            message: format!("render failed: {e:#}"),
+        }
+    }
+}
+
+fn read(path: &Path) -> Result<String, ModelError> {
+    std::fs::read_to_string(path).map_err(|e| template_err(path, format!("cannot read: {e}")))
+}
+
+fn template_err(path: &Path, message: String) -> ModelError {
+    ModelError::ChatTemplate {
+        origin: path.display().to_string(),
+        message,
+    }
+}
+
+/// `chat_template` is a string, or a list of `{name, template}` of which
+/// transformers uses the one named `default`.
+fn pick_template(v: &serde_json::Value, path: &Path) -> Result<String, ModelError> {
+    match v {
+        serde_json::Value::String(s) => Ok(s.clone()),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|t| t.get("template"))
+            .and_then(|t| t.as_str())
+            .map(str::to_string)
+            .ok_or_else(|| {
+                template_err(
+                    path,
+                    "`chat_template` list has no entry named `default`".to_string(),
+                )
+            }),
+        _ => Err(template_err(
+            path,
+            "`chat_template` is neither a string nor a list of {name, template}".to_string(),
+        )),
+    }
+}
+
+/// `*_token` fields of tokenizer_config.json, each a string or an AddedToken
+/// object `{"content": ...}`; null ones are left out (undefined in Jinja).
+fn special_tokens(config: &serde_json::Value) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    if let Some(obj) = config.as_object() {
+        for (k, v) in obj {
+            if !k.ends_with("_token") {
+                continue;
+            }
+            let s = match v {
+                serde_json::Value::String(s) => Some(s.clone()),
+                serde_json::Value::Object(o) => o
+                    .get("content")
+                    .and_then(|c| c.as_str())
+                    .map(str::to_string),
+                _ => None,
+            };
+            if let Some(s) = s {
+                out.insert(k.clone(), s);
+            }
+        }
+    }
+    out
+}
+
+fn raise_exception(message: String) -> Result<Value, JinjaError> {
+    Err(JinjaError::new(ErrorKind::InvalidOperation, message))
+}
+
+/// `strftime_now(fmt)`: the current UTC time formatted with the common
+/// strftime codes (templates use it for a "today is" line).
+fn strftime_now(format: String) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    strftime_utc(secs, &format)
+}
+
+fn strftime_utc(unix_secs: i64, format: &str) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    let days = unix_secs.div_euclid(86_400);
+    let rem = unix_secs.rem_euclid(86_400);
+    let (y, m, d) = civil_from_days(days);
+    // 1970-01-01 was a Thursday (index 3 with Monday = 0).
+    let weekday = (days + 3).rem_euclid(7) as usize;
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out += &y.to_string(),
+            Some('m') => out += &format!("{m:02}"),
+            Some('d') => out += &format!("{d:02}"),
+            Some('-') => match chars.next() {
+                Some('d') => out += &d.to_string(),
+                Some('m') => out += &m.to_string(),
+                Some(o) => {
+                    out.push_str("%-");
+                    out.push(o)
+                }
+                None => out.push_str("%-"),
+            },
+            Some('B') => out += MONTHS[(m - 1) as usize],
+            Some('b') => out += &MONTHS[(m - 1) as usize][..3],
+            Some('A') => out += DAYS[weekday],
+            Some('a') => out += &DAYS[weekday][..3],
+            Some('H') => out += &format!("{:02}", rem / 3600),
+            Some('M') => out += &format!("{:02}", rem / 60 % 60),
+            Some('S') => out += &format!("{:02}", rem % 60),
+            Some('%') => out.push('%'),
+            Some(o) => {
+                out.push('%');
+                out.push(o)
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian
+/// (Howard Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, i64, i64) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent,
+/// separators=separators, sort_keys=sort_keys)`.
+fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<String, JinjaError> {
+    let indent = match indent {
+        Some(v) => Some(v),
+        None => kwargs.get::<Option<Value>>("indent")?,
+    };
+    let indent: Option<String> = match indent {
+        None => None,
+        Some(v) if v.is_none() || v.is_undefined() => None,
+        Some(v) => match v.as_i64() {
+            Some(n) => Some(" ".repeat(n.max(0) as usize)),
+            None => Some(v.as_str().unwrap_or("").to_string()),
+        },
+    };
+    let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    // Python's defaults: (", ", ": ") compact, (",", ": ") when indenting.
+    let (item_sep, key_sep) = match kwargs.get::<Option<Value>>("separators")? {
+        Some(v) if !v.is_none() => {
+            let a = v.get_item_by_index(0)?;
+            let b = v.get_item_by_index(1)?;
+            (
+                a.as_str().unwrap_or(",").to_string(),
+                b.as_str().unwrap_or(":").to_string(),
+            )
+        }
+        _ if indent.is_some() => (",".to_string(), ": ".to_string()),
+        _ => (", ".to_string(), ": ".to_string()),
+    };
+    kwargs.assert_all_used()?;
+    let opts = PyJson {
+        indent,
+        item_sep,
+        key_sep,
+        ensure_ascii,
+        sort_keys,
+    };
+    let mut out = String::new();
+    opts.write(value, 0, &mut out)?;
+    Ok(out)
+}
+
+struct PyJson {
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    ensure_ascii: bool,
+    sort_keys: bool,
+}
+
+impl PyJson {
+    fn write(&self, v: &Value, depth: usize, out: &mut String) -> Result<(), JinjaError> {
+        match v.kind() {
+            ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+            ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+            ValueKind::Number => {
+                if v.is_integer() {
+                    out.push_str(&v.to_string());
+                } else {
+                    let f: f64 = f64::try_from(v.clone()).unwrap_or(f64::NAN);
+                    out.push_str(&py_float(f));
+                }
+            }
+            ValueKind::String => self.write_str(v.as_str().unwrap_or(""), out),
+            ValueKind::Map => {
+                let mut keys: Vec<Value> = v.try_iter()?.collect();
+                if self.sort_keys {
+                    keys.sort();
+                }
+                let items = keys
+                    .into_iter()
+                    .map(|k| {
+                        let val = v.get_item(&k)?;
+                        Ok((k, val))
+                    })
+                    .collect::<Result<Vec<_>, JinjaError>>()?;
+                self.write_container('{', '}', items.len(), depth, out, |i, d, out| {
+                    let (k, val) = &items[i];
+                    match k.as_str() {
+                        Some(s) => self.write_str(s, out),
+                        None => self.write_str(&k.to_string(), out),
+                    }
+                    out.push_str(&self.key_sep);
+                    self.write(val, d, out)
+                })?;
+            }
+            ValueKind::Seq | ValueKind::Iterable => {
+                let items: Vec<Value> = v.try_iter()?.collect();
+                self.write_container('[', ']', items.len(), depth, out, |i, d, out| {
+                    self.write(&items[i], d, out)
+                })?;
+            }
+            _ => self.write_str(&v.to_string(), out),
+        }
+        Ok(())
+    }
+
+    fn write_container(
+        &self,
+        open: char,
+        close: char,
+        n: usize,
+        depth: usize,
+        out: &mut String,
+        mut item: impl FnMut(usize, usize, &mut String) -> Result<(), JinjaError>,
+    ) -> Result<(), JinjaError> {
+        out.push(open);
+        if n == 0 {
+            out.push(close);
+            return Ok(());
+        }
+        for i in 0..n {
+            if i > 0 {
+                out.push_str(&self.item_sep);
+            }
+            if let Some(ind) = &self.indent {
+                out.push('\n');
+                out.push_str(&ind.repeat(depth + 1));
+            }
+            item(i, depth + 1, out)?;
+        }
+        if let Some(ind) = &self.indent {
+            out.push('\n');
+            out.push_str(&ind.repeat(depth));
+        }
+        out.push(close);
+        Ok(())
+    }
+
+    fn write_str(&self, s: &str, out: &mut String) {
+        out.push('"');
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                '\n' => out.push_str("\\n"),
+                '\r' => out.push_str("\\r"),
+                '\t' => out.push_str("\\t"),
+                '\u{08}' => out.push_str("\\b"),
+                '\u{0c}' => out.push_str("\\f"),
+                c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+                c if self.ensure_ascii && !c.is_ascii() => {
+                    let mut buf = [0u16; 2];
+                    for unit in c.encode_utf16(&mut buf) {
+                        out.push_str(&format!("\\u{unit:04x}"));
+                    }
+                }
+                c => out.push(c),
+            }
+        }
+        out.push('"');
+    }
+}
+
+/// Python's `repr(float)` for the common cases: always a decimal point or an
+/// exponent, `NaN`/`Infinity` as `json.dumps` writes them.
+fn py_float(f: f64) -> String {
+    if f.is_nan() {
+        return "NaN".into();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    let a = f.abs();
+    if a != 0.0 && !(1e-4..1e16).contains(&a) {
+        // Python: 1e+16, 1.5e-05.
+        let s = format!("{f:e}");
+        let (mant, exp) = s.split_once('e').unwrap_or((&s, "0"));
+        let exp: i32 = exp.parse().unwrap_or(0);
+        let sign = if exp < 0 { '-' } else { '+' };
+        return format!("{mant}e{sign}{:02}", exp.abs());
+    }
+    let s = format!("{f}");
+    if s.contains('.') {
+        s
+    } else {
+        format!("{s}.0")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn render_json(template: &str, ctx: serde_json::Value) -> String {
+        let t = ChatTemplate::new(template, "test", BTreeMap::new()).unwrap();
+        let tmpl = t.env.get_template(TEMPLATE_NAME).unwrap();
+        tmpl.render(Value::from_serialize(&ctx)).unwrap()
+    }
+
+    #[test]
+    fn tojson_matches_python_json_dumps() {
+        let ctx = serde_json::json!({"x": {"a": [1, 2.5, "é<>&'\"\n"], "b": null, "c": true}});
+        assert_eq!(
+            render_json("{{ x | tojson }}", ctx.clone()),
+            r#"{"a": [1, 2.5, "é<>&'\"\n"], "b": null, "c": true}"#
+        );
+        assert_eq!(
+            render_json("{{ x.a | tojson(indent=2) }}", ctx.clone()),
+            "[\n  1,\n  2.5,\n  \"é<>&'\\\"\\n\"\n]"
+        );
+        assert_eq!(
+            render_json("{{ x.a | tojson(ensure_ascii=true) }}", ctx),
+            r#"[1, 2.5, "\u00e9<>&'\"\n"]"#
+        );
+    }
+
+    #[test]
+    fn py_float_forms() {
+        assert_eq!(py_float(1.0), "1.0");
+        assert_eq!(py_float(0.1), "0.1");
+        assert_eq!(py_float(1e16), "1e+16");
+        assert_eq!(py_float(1.5e-5), "1.5e-05");
+    }
+
+    #[test]
+    fn raise_exception_is_an_error_naming_the_message() {
+        let t = ChatTemplate::new(
+            "{{ raise_exception('no system role') }}",
+            "t",
+            BTreeMap::new(),
+        )
+        .unwrap();
+        let e = t.render(&[], false).unwrap_err().to_string();
+        assert!(e.contains("no system role"), "{e}");
+    }
+
+    #[test]
+    fn trim_and_lstrip_blocks_like_transformers() {
+        let src = "{% for m in messages %}\n  {% if m.role == 'user' %}\n[{{ m.content.strip() }}]\n  {% endif %}\n{% endfor %}";
+        let t = ChatTemplate::new(src, "t", BTreeMap::new()).unwrap();
+        let out = t
+            .render(&[Message::user(" a "), Message::assistant("b")], false)
+            .unwrap();
+        assert_eq!(out, "[a]\n");
+    }
+
+    #[test]
+    fn strftime_basics() {
+        // 2024-02-29 13:05:09 UTC was a Thursday.
+        let t = 1_709_211_909;
+        assert_eq!(strftime_utc(t, "%Y-%m-%d %H:%M:%S"), "2024-02-29 13:05:09");
+        assert_eq!(
+            strftime_utc(t, "%d %B %Y, %A"),
+            "29 February 2024, Thursday"
+        );
+        assert_eq!(strftime_utc(t, "%-d %b"), "29 Feb");
+    }
+
+    #[test]
+    fn template_list_picks_default() {
+        let v = serde_json::json!([{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]);
+        assert_eq!(pick_template(&v, Path::new("x")).unwrap(), "D");
+    }
+}

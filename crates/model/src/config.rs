@@ -1,0 +1,592 @@
+//! `config.json` of a Qwen2.5 checkpoint, Hugging Face field names verbatim,
+//! plus presets for every dense Qwen2.5 size and `generation_config.json`.
+//!
+//! OWNER: model-io helper. The field names and types of [`Config`] are the
+//! agreed shape other crates code against: extend, never rename.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::error::ModelError;
+
+/// The only `model_type` the engine runs.
+pub const MODEL_TYPE: &str = "qwen2";
+/// The only architecture the engine runs (a causal LM head on Qwen2).
+pub const ARCHITECTURE: &str = "Qwen2ForCausalLM";
+
+/// The fields of a Qwen2 `config.json` the engine reads.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Config {
+    #[serde(default)]
+    pub architectures: Vec<String>,
+    pub model_type: String,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    /// transformers defaults a missing value to `num_attention_heads`.
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// Not in every config; defaults to `hidden_size / num_attention_heads`.
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub use_sliding_window: bool,
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    #[serde(default)]
+    pub torch_dtype: Option<String>,
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
+}
+
+/// Names accepted by [`Config::preset`], smallest first.
+pub const PRESETS: [&str; 7] = ["0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b"];
+
+/// One row of the Qwen2.5 size table (DESIGN.md section 1).
+struct PresetRow {
+    name: &'static str,
+    hidden: usize,
+    inter: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    vocab: usize,
+    tied: bool,
+}
+
+#[rustfmt::skip]
+const PRESET_TABLE: [PresetRow; 7] = [
+    PresetRow { name: "0.5b", hidden: 896, inter: 4864, layers: 24, heads: 14, kv_heads: 2, head_dim: 64, vocab: 151936, tied: true },
+    PresetRow { name: "1.5b", hidden: 1536, inter: 8960, layers: 28, heads: 12, kv_heads: 2, head_dim: 128, vocab: 151936, tied: true },
+    PresetRow { name: "3b", hidden: 2048, inter: 11008, layers: 36, heads: 16, kv_heads: 2, head_dim: 128, vocab: 151936, tied: true },
+    PresetRow { name: "7b", hidden: 3584, inter: 18944, layers: 28, heads: 28, kv_heads: 4, head_dim: 128, vocab: 152064, tied: false },
+    PresetRow { name: "14b", hidden: 5120, inter: 13824, layers: 48, heads: 40, kv_heads: 8, head_dim: 128, vocab: 152064, tied: false },
+    PresetRow { name: "32b", hidden: 5120, inter: 27648, layers: 64, heads: 40, kv_heads: 8, head_dim: 128, vocab: 152064, tied: false },
+    PresetRow { name: "72b", hidden: 8192, inter: 29568, layers: 80, heads: 64, kv_heads: 8, head_dim: 128, vocab: 152064, tied: false },
+];
+
+impl Config {
+    /// The config of a dense Qwen2.5 size: `"0.5b"`, `"1.5b"`, `"3b"`, `"7b"`,
+    /// `"14b"`, `"32b"` or `"72b"` (case-insensitive, an optional
+    /// `qwen2.5-` prefix is ignored). Token ids are those of the Instruct
+    /// models (bos 151643 `<|endoftext|>`, eos 151645 `<|im_end|>`).
+    pub fn preset(name: &str) -> Result<Config, ModelError> {
+        let lower = name.trim().to_ascii_lowercase();
+        let key = lower.strip_prefix("qwen2.5-").unwrap_or(&lower);
+        let row = PRESET_TABLE.iter().find(|r| r.name == key).ok_or_else(|| {
+            ModelError::UnknownPreset {
+                name: name.to_string(),
+                known: PRESETS.join(", "),
+            }
+        })?;
+        Ok(Config {
+            architectures: vec![ARCHITECTURE.to_string()],
+            model_type: MODEL_TYPE.to_string(),
+            hidden_size: row.hidden,
+            intermediate_size: row.inter,
+            num_hidden_layers: row.layers,
+            num_attention_heads: row.heads,
+            num_key_value_heads: Some(row.kv_heads),
+            head_dim: Some(row.head_dim),
+            vocab_size: row.vocab,
+            max_position_embeddings: 32768,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1e6,
+            tie_word_embeddings: row.tied,
+            use_sliding_window: false,
+            sliding_window: Some(32768),
+            torch_dtype: Some("bfloat16".to_string()),
+            bos_token_id: Some(151643),
+            eos_token_id: Some(serde_json::Value::from(151645u32)),
+        })
+    }
+
+    /// Reads and validates `config.json`. Errors name the file and, for
+    /// validation failures, the field.
+    pub fn from_file(path: &Path) -> Result<Config, ModelError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        Config::from_json_str(&text, path)
+    }
+
+    /// Parses and validates config JSON; `path` only labels errors.
+    pub fn from_json_str(text: &str, path: &Path) -> Result<Config, ModelError> {
+        let config: Config = serde_json::from_str(text).map_err(|source| ModelError::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        config.validate_at(path)?;
+        Ok(config)
+    }
+
+    /// Checks that the engine can run this config; errors label the file
+    /// `config.json`. See [`Config::validate_at`] for the conditions.
+    pub fn validate(&self) -> Result<(), ModelError> {
+        self.validate_at(Path::new("config.json"))
+    }
+
+    /// Checks, in order, with `path` labelling errors:
+    /// 1. `model_type` is `qwen2` and every `architectures` entry is
+    ///    `Qwen2ForCausalLM` (an empty list is accepted);
+    /// 2. every size is non-zero;
+    /// 3. `num_attention_heads % num_key_value_heads == 0` (GQA groups);
+    /// 4. without `head_dim`, `hidden_size % num_attention_heads == 0`;
+    /// 5. `head_dim` is even (rotate-half RoPE pairs dims `i` and `i + d/2`);
+    /// 6. `use_sliding_window` is false (the kernel attends to the full
+    ///    context);
+    /// 7. `rms_norm_eps` and `rope_theta` are finite and positive;
+    /// 8. the widths `heads * head_dim` etc. fit in `usize` (sizes of whole
+    ///    tensors are checked by [`crate::inventory`]).
+    pub fn validate_at(&self, path: &Path) -> Result<(), ModelError> {
+        let bad = |field: &'static str, reason: String| ModelError::InvalidConfig {
+            path: path.to_path_buf(),
+            field,
+            reason,
+        };
+        // 1. architecture
+        if self.model_type != MODEL_TYPE {
+            return Err(bad(
+                "model_type",
+                format!(
+                    "`{}` is not supported (expected `{MODEL_TYPE}`)",
+                    self.model_type
+                ),
+            ));
+        }
+        if let Some(a) = self.architectures.iter().find(|a| *a != ARCHITECTURE) {
+            return Err(bad(
+                "architectures",
+                format!("`{a}` is not supported (expected `{ARCHITECTURE}`)"),
+            ));
+        }
+        // 2. non-zero sizes
+        let sizes: [(&'static str, Option<usize>); 8] = [
+            ("hidden_size", Some(self.hidden_size)),
+            ("intermediate_size", Some(self.intermediate_size)),
+            ("num_hidden_layers", Some(self.num_hidden_layers)),
+            ("num_attention_heads", Some(self.num_attention_heads)),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("vocab_size", Some(self.vocab_size)),
+            (
+                "max_position_embeddings",
+                Some(self.max_position_embeddings),
+            ),
+        ];
+        for (field, value) in sizes {
+            if value == Some(0) {
+                return Err(bad(field, "must be greater than zero".to_string()));
+            }
+        }
+        // 3. GQA: every kv head serves the same number of query heads
+        let (heads, kv) = (self.num_attention_heads, self.num_kv_heads());
+        if heads % kv != 0 {
+            return Err(bad(
+                "num_key_value_heads",
+                format!("{kv} does not divide num_attention_heads = {heads}"),
+            ));
+        }
+        // 4. implied head_dim must be exact
+        if self.head_dim.is_none() && self.hidden_size % heads != 0 {
+            return Err(bad(
+                "hidden_size",
+                format!(
+                    "{} is not divisible by num_attention_heads = {heads} (and head_dim is absent)",
+                    self.hidden_size
+                ),
+            ));
+        }
+        // 5. rotate-half RoPE
+        let d = self.head_dim();
+        if d % 2 != 0 {
+            return Err(bad(
+                "head_dim",
+                format!("{d} is odd; rotary embedding needs an even head_dim"),
+            ));
+        }
+        // 6. full attention only
+        if self.use_sliding_window {
+            return Err(bad(
+                "use_sliding_window",
+                "sliding-window attention is not supported".to_string(),
+            ));
+        }
+        // 7. float parameters
+        for (field, v) in [
+            ("rms_norm_eps", self.rms_norm_eps),
+            ("rope_theta", self.rope_theta),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(bad(field, format!("{v} must be finite and positive")));
+            }
+        }
+        // 8. projection widths
+        for (field, n) in [("num_attention_heads", heads), ("num_key_value_heads", kv)] {
+            if n.checked_mul(d).is_none() {
+                return Err(ModelError::overflow(
+                    field,
+                    format!("{n} heads x head_dim {d} exceeds usize"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Key/value heads; transformers defaults a missing value to
+    /// `num_attention_heads`.
+    pub fn num_kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+    /// Per-head width; `hidden_size / num_attention_heads` when absent
+    /// (0 for a config with zero heads, which `validate` rejects).
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or_else(|| {
+            self.hidden_size
+                .checked_div(self.num_attention_heads)
+                .unwrap_or(0)
+        })
+    }
+    /// q_proj output width: heads x head_dim.
+    pub fn q_dim(&self) -> usize {
+        self.num_attention_heads * self.head_dim()
+    }
+    /// k_proj / v_proj output width: kv heads x head_dim.
+    pub fn kv_dim(&self) -> usize {
+        self.num_kv_heads() * self.head_dim()
+    }
+    /// Query heads per key/value head (GQA group size).
+    pub fn gqa_group(&self) -> usize {
+        self.num_attention_heads
+            .checked_div(self.num_kv_heads())
+            .unwrap_or(0)
+    }
+    /// `eos_token_id` as a list (it may be an int or a list in config.json);
+    /// entries that are not u32 are skipped.
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        self.eos_token_id
+            .as_ref()
+            .map(|v| ids_from_value(v).unwrap_or_default())
+            .unwrap_or_default()
+    }
+}
+
+/// Token ids from a JSON int or list of ints; `None` for anything else.
+fn ids_from_value(v: &serde_json::Value) -> Option<Vec<u32>> {
+    let one = |v: &serde_json::Value| v.as_u64().and_then(|n| u32::try_from(n).ok());
+    match v {
+        serde_json::Value::Null => Some(Vec::new()),
+        serde_json::Value::Array(items) => items.iter().map(one).collect(),
+        other => one(other).map(|id| vec![id]),
+    }
+}
+
+/// `eos_token_id`: an int, a list of ints, or null.
+fn de_token_ids<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+    let v = serde_json::Value::deserialize(d)?;
+    ids_from_value(&v).ok_or_else(|| {
+        serde::de::Error::custom(format!(
+            "expected a token id or a list of token ids, got {v}"
+        ))
+    })
+}
+
+/// `generation_config.json`: the defaults Hugging Face generation uses.
+/// Every field is optional in the file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerationConfig {
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    /// Any of these ends generation; may be an int or a list in the file.
+    #[serde(default, deserialize_with = "de_token_ids")]
+    pub eos_token_id: Vec<u32>,
+    #[serde(default)]
+    pub pad_token_id: Option<u32>,
+    /// false: greedy decoding.
+    #[serde(default)]
+    pub do_sample: bool,
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    #[serde(default)]
+    pub top_k: Option<usize>,
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    #[serde(default)]
+    pub repetition_penalty: Option<f64>,
+    #[serde(default)]
+    pub max_new_tokens: Option<usize>,
+}
+
+impl Default for GenerationConfig {
+    /// Greedy, no token ids known.
+    fn default() -> Self {
+        GenerationConfig {
+            bos_token_id: None,
+            eos_token_id: Vec::new(),
+            pad_token_id: None,
+            do_sample: false,
+            temperature: None,
+            top_k: None,
+            top_p: None,
+            repetition_penalty: None,
+            max_new_tokens: None,
+        }
+    }
+}
+
+impl GenerationConfig {
+    /// Reads `generation_config.json`; errors name the file.
+    pub fn from_file(path: &Path) -> Result<GenerationConfig, ModelError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        serde_json::from_str(&text).map_err(|source| ModelError::Json {
+            path: PathBuf::from(path),
+            source,
+        })
+    }
+
+    /// `dir/generation_config.json` if present, else ids from `config`
+    /// (bos, eos) and greedy defaults, as transformers does.
+    pub fn from_dir_or_config(dir: &Path, config: &Config) -> Result<GenerationConfig, ModelError> {
+        let path = dir.join("generation_config.json");
+        if path.is_file() {
+            return GenerationConfig::from_file(&path);
+        }
+        Ok(GenerationConfig {
+            bos_token_id: config.bos_token_id,
+            eos_token_id: config.eos_token_ids(),
+            ..GenerationConfig::default()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Qwen2.5-0.5B-Instruct's config.json, verbatim.
+    const QWEN_05B: &str = r#"{
+      "architectures": ["Qwen2ForCausalLM"],
+      "attention_dropout": 0.0,
+      "bos_token_id": 151643,
+      "eos_token_id": 151645,
+      "hidden_act": "silu",
+      "hidden_size": 896,
+      "initializer_range": 0.02,
+      "intermediate_size": 4864,
+      "max_position_embeddings": 32768,
+      "max_window_layers": 21,
+      "model_type": "qwen2",
+      "num_attention_heads": 14,
+      "num_hidden_layers": 24,
+      "num_key_value_heads": 2,
+      "rms_norm_eps": 1e-06,
+      "rope_theta": 1000000.0,
+      "sliding_window": 32768,
+      "tie_word_embeddings": true,
+      "torch_dtype": "bfloat16",
+      "transformers_version": "4.43.1",
+      "use_cache": true,
+      "use_sliding_window": false,
+      "vocab_size": 151936
+    }"#;
+
+    fn parse(text: &str) -> Result<Config, ModelError> {
+        Config::from_json_str(text, Path::new("/m/config.json"))
+    }
+
+    /// QWEN_05B with one field replaced (or removed when `value` is None).
+    fn with(field: &str, value: Option<serde_json::Value>) -> String {
+        let mut v: serde_json::Value = serde_json::from_str(QWEN_05B).unwrap();
+        let obj = v.as_object_mut().unwrap();
+        match value {
+            Some(x) => obj.insert(field.to_string(), x),
+            None => obj.remove(field),
+        };
+        v.to_string()
+    }
+
+    fn field_of(e: ModelError) -> &'static str {
+        match e {
+            ModelError::InvalidConfig { field, path, .. } => {
+                assert_eq!(path, Path::new("/m/config.json"));
+                field
+            }
+            other => panic!("expected InvalidConfig, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn real_config_parses_and_matches_preset() {
+        let c = parse(QWEN_05B).unwrap();
+        let p = Config::preset("0.5b").unwrap();
+        assert_eq!(c.head_dim(), 64);
+        assert_eq!(c.q_dim(), 896);
+        assert_eq!(c.kv_dim(), 128);
+        assert_eq!(c.gqa_group(), 7);
+        assert_eq!(c.eos_token_ids(), vec![151645]);
+        // Same model apart from fields the file leaves implicit.
+        assert_eq!(
+            Config {
+                head_dim: Some(64),
+                ..c
+            },
+            p,
+            "0.5b preset must equal the real config"
+        );
+    }
+
+    #[test]
+    fn every_preset_is_valid_and_matches_table() {
+        for name in PRESETS {
+            let c = Config::preset(name).unwrap();
+            c.validate().unwrap();
+            assert_eq!(c.head_dim(), if name == "0.5b" { 64 } else { 128 });
+            assert_eq!(
+                c.tie_word_embeddings,
+                matches!(name, "0.5b" | "1.5b" | "3b")
+            );
+            // Round trip through JSON as HF names.
+            let json = serde_json::to_string(&c).unwrap();
+            assert_eq!(parse(&json).unwrap(), c);
+        }
+        let c = Config::preset("14B").unwrap();
+        assert_eq!(
+            (c.hidden_size, c.intermediate_size, c.num_hidden_layers),
+            (5120, 13824, 48)
+        );
+        assert_eq!(Config::preset("Qwen2.5-72B").unwrap().hidden_size, 8192);
+        assert!(matches!(
+            Config::preset("13b"),
+            Err(ModelError::UnknownPreset { .. })
+        ));
+    }
+
+    #[test]
+    fn missing_kv_heads_defaults_to_heads() {
+        let c = parse(&with("num_key_value_heads", None)).unwrap();
+        assert_eq!(c.num_kv_heads(), 14);
+        assert_eq!(c.kv_dim(), 896);
+    }
+
+    #[test]
+    fn zero_sizes_name_their_field() {
+        for field in [
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position_embeddings",
+        ] {
+            let e = parse(&with(field, Some(0.into()))).unwrap_err();
+            assert!(e.to_string().contains(field), "{e}");
+            assert_eq!(field_of(e), field);
+        }
+    }
+
+    #[test]
+    fn non_dividing_heads() {
+        let e = parse(&with("num_key_value_heads", Some(3.into()))).unwrap_err();
+        assert!(e.to_string().contains("does not divide"), "{e}");
+        assert_eq!(field_of(e), "num_key_value_heads");
+        let e = parse(&with("num_key_value_heads", Some(28.into()))).unwrap_err();
+        assert_eq!(field_of(e), "num_key_value_heads");
+        // hidden 896 / 12 heads is not exact, no head_dim given
+        let e = parse(&with("num_attention_heads", Some(12.into()))).unwrap_err();
+        assert_eq!(field_of(e), "hidden_size");
+        // with an explicit head_dim it is fine (heads*head_dim need not be hidden)
+        let mut v: serde_json::Value =
+            serde_json::from_str(&with("num_attention_heads", Some(12.into()))).unwrap();
+        v["head_dim"] = 64.into();
+        parse(&v.to_string()).unwrap();
+        let e = parse(&with("head_dim", Some(63.into()))).unwrap_err();
+        assert_eq!(field_of(e), "head_dim");
+    }
+
+    #[test]
+    fn unknown_architecture_and_model_type() {
+        let e = parse(&with("model_type", Some("llama".into()))).unwrap_err();
+        assert!(e.to_string().contains("llama"), "{e}");
+        assert_eq!(field_of(e), "model_type");
+        let e = parse(&with(
+            "architectures",
+            Some(serde_json::json!(["Qwen2ForSequenceClassification"])),
+        ))
+        .unwrap_err();
+        assert_eq!(field_of(e), "architectures");
+    }
+
+    #[test]
+    fn sliding_window_rejected() {
+        let e = parse(&with("use_sliding_window", Some(true.into()))).unwrap_err();
+        assert_eq!(field_of(e), "use_sliding_window");
+    }
+
+    #[test]
+    fn bad_floats_rejected() {
+        let e = parse(&with("rms_norm_eps", Some((-1.0).into()))).unwrap_err();
+        assert_eq!(field_of(e), "rms_norm_eps");
+        let e = parse(&with("rope_theta", Some(0.0.into()))).unwrap_err();
+        assert_eq!(field_of(e), "rope_theta");
+    }
+
+    #[test]
+    fn malformed_json_names_file() {
+        let e = parse("{ not json").unwrap_err();
+        assert!(matches!(e, ModelError::Json { .. }));
+        assert!(e.to_string().starts_with("/m/config.json"), "{e}");
+        let e = parse(&with("hidden_size", None)).unwrap_err();
+        assert!(e.to_string().contains("hidden_size"), "{e}");
+        let e = Config::from_file(Path::new("/nonexistent/config.json")).unwrap_err();
+        assert!(matches!(e, ModelError::Io { .. }));
+        assert!(e.to_string().contains("/nonexistent/config.json"), "{e}");
+    }
+
+    #[test]
+    fn generation_config_int_or_list() {
+        let g: GenerationConfig = serde_json::from_str(
+            r#"{"bos_token_id": 151643, "pad_token_id": 151643, "do_sample": true,
+                "eos_token_id": [151645, 151643], "repetition_penalty": 1.1,
+                "temperature": 0.7, "top_p": 0.8, "top_k": 20, "transformers_version": "4.37.0"}"#,
+        )
+        .unwrap();
+        assert_eq!(g.eos_token_id, vec![151645, 151643]);
+        assert_eq!(g.top_k, Some(20));
+        assert!(g.do_sample);
+        let g: GenerationConfig = serde_json::from_str(r#"{"eos_token_id": 7}"#).unwrap();
+        assert_eq!(g.eos_token_id, vec![7]);
+        assert_eq!(g.bos_token_id, None);
+        assert!(!g.do_sample);
+        let g: GenerationConfig = serde_json::from_str("{}").unwrap();
+        assert_eq!(g, GenerationConfig::default());
+        assert!(serde_json::from_str::<GenerationConfig>(r#"{"eos_token_id": "x"}"#).is_err());
+
+        let dir = tempfile::tempdir().unwrap();
+        let c = Config::preset("7b").unwrap();
+        let g = GenerationConfig::from_dir_or_config(dir.path(), &c).unwrap();
+        assert_eq!(g.eos_token_id, vec![151645]);
+        assert_eq!(g.bos_token_id, Some(151643));
+        let p = dir.path().join("generation_config.json");
+        std::fs::write(&p, r#"{"eos_token_id": [1, 2]}"#).unwrap();
+        assert_eq!(
+            GenerationConfig::from_dir_or_config(dir.path(), &c)
+                .unwrap()
+                .eos_token_id,
+            vec![1, 2]
+        );
+        std::fs::write(&p, r#"{"eos_token_id": [1, -2]}"#).unwrap();
+        let e = GenerationConfig::from_file(&p).unwrap_err();
+        assert!(e.to_string().contains("generation_config.json"), "{e}");
+    }
+}

@@ -1,0 +1,20 @@
+//! Qwen2.5 model description, checkpoint reading, tokenizer and chat
+//! template, and the CPU reference forward pass (the oracle for every GPU
+//! test and the no-GPU backend).
+
+pub mod chat;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod inventory;
+pub mod reference;
+pub mod synthetic;
+pub mod tokenizer;
+pub mod weights;
+
+pub use checkpoint::{load_weights, Checkpoint};
+pub use config::{Config, GenerationConfig};
+pub use error::ModelError;
+pub use inventory::{model_plan, stacked_specs, weight_bytes, WeightBytes, WeightKind};
+pub use synthetic::synthetic_weights;
+pub use weights::Weights;

@@ -1,0 +1,408 @@
+//! The CPU reference forward pass: the oracle every GPU test compares with,
+//! and the backend where there is no GPU.
+//!
+//! One decode step, exactly as Hugging Face's Qwen2 computes it in f32:
+//!
+//! ```text
+//! x = embed(token)                                   [H]
+//! for each layer l:
+//!     xn      = rms_norm(x, input_layernorm[l])
+//!     q, k, v = qkv_proj(xn)                         (with biases)
+//!     q, k    = rotary(q, k, pos)                    (rotate-half)
+//!     kv_append(cache[l], pos, k, v)
+//!     a       = attention(q, cache[l], 0..=pos)      (GQA)
+//!     x      += o_proj(a)
+//!     xn      = rms_norm(x, post_attention_layernorm[l])
+//!     x      += mlp(xn)                              (down(silu(gate) * up))
+//! logits = lm_head(final_norm(x))                    [V]
+//! next   = argmax(logits)
+//! ```
+//!
+//! The op functions are public ([`embed`], [`rms_norm`], [`qkv_proj`],
+//! [`rotary`], [`kv_append`], [`attention`], [`o_proj`], [`mlp`],
+//! [`final_norm`], [`lm_head`], [`argmax`]) and share the kernel's names, and
+//! [`Reference::step_traced`] records every op's output, so a GPU test can
+//! compare op by op. Matmuls run in parallel over output rows (rayon).
+//!
+//! Several sequences can share one `Reference` (one KV cache each), and a
+//! forward call takes any set of (sequence, token, position) rows, so a
+//! prompt prefill is one batched pass and several sequences' decode steps
+//! can share one pass over the weights.
+
+mod matmul;
+mod ops;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+
+pub use matmul::matmul;
+pub use ops::{
+    argmax, attention, check_weights, embed, final_norm, kv_append, layer_weights, lm_head, mlp,
+    o_proj, qkv_proj, rms_norm, rotary, silu, Dims, KvCache, LayerWeights, Rope,
+};
+
+use crate::error::ModelError;
+use crate::Weights;
+
+/// How a [`Reference`] is set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReferenceOptions {
+    /// KV cache positions per sequence (the largest position is one less).
+    pub capacity: usize,
+    /// Round K/V to bf16 when stored, like the megakernel's bf16 cache.
+    pub kv_bf16: bool,
+    /// Independent sequences (one KV cache each).
+    pub sequences: usize,
+}
+
+impl ReferenceOptions {
+    /// One sequence, f32 KV cache of `capacity` positions.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            kv_bf16: false,
+            sequences: 1,
+        }
+    }
+    pub fn kv_bf16(mut self, yes: bool) -> Self {
+        self.kv_bf16 = yes;
+        self
+    }
+    pub fn sequences(mut self, n: usize) -> Self {
+        self.sequences = n;
+        self
+    }
+}
+
+/// One token of a forward pass: which sequence's cache, which token, where.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Row {
+    pub seq: usize,
+    pub token: u32,
+    pub pos: usize,
+}
+
+/// Which rows of a forward pass get logits (the LM head is the largest
+/// matmul; a prefill only needs the last row's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    None,
+    Last,
+    All,
+}
+
+/// Every op's output for the `T` rows of one forward pass.
+#[derive(Debug, Clone, Default)]
+pub struct StepTrace {
+    pub embed: Vec<f32>,         // [T, H]
+    pub layers: Vec<LayerTrace>, // [L]
+    pub final_norm: Vec<f32>,    // [T, H]
+    pub logits: Vec<f32>,        // [R, V], the rows asked for
+}
+
+/// One layer's op outputs, `T` rows each.
+#[derive(Debug, Clone, Default)]
+pub struct LayerTrace {
+    pub attn_norm: Vec<f32>, // [T, H]   rms_norm(x, input_layernorm)
+    pub q: Vec<f32>,         // [T, Q]   q_proj + bias, before rotary
+    pub k: Vec<f32>,         // [T, KV]  k_proj + bias, before rotary
+    pub v: Vec<f32>,         // [T, KV]  v_proj + bias
+    pub q_rot: Vec<f32>,     // [T, Q]   after rotary
+    pub k_rot: Vec<f32>,     // [T, KV]  after rotary (before any bf16 rounding in the cache)
+    pub attn: Vec<f32>,      // [T, Q]   attention output, before o_proj
+    pub h_attn: Vec<f32>,    // [T, H]   x + o_proj(attn)
+    pub mlp_norm: Vec<f32>,  // [T, H]   rms_norm(h_attn, post_attention_layernorm)
+    pub act: Vec<f32>,       // [T, I]   silu(gate) * up
+    pub h_out: Vec<f32>,     // [T, H]   layer output, h_attn + down(act)
+}
+
+/// The CPU reference model: shared weights, rotary tables and one KV cache
+/// per sequence.
+#[derive(Debug, Clone)]
+pub struct Reference {
+    weights: Arc<Weights>,
+    dims: Dims,
+    rope: Rope,           // [S, hd/2] cos and sin
+    caches: Vec<KvCache>, // [sequences], each [L, S, KV] for K and V
+}
+
+impl Reference {
+    /// Checks the config and every weight length, and allocates the caches.
+    pub fn new(weights: Arc<Weights>, opts: ReferenceOptions) -> Result<Self, ModelError> {
+        let dims = Dims::from_config(&weights.config)?;
+        check_weights(&weights, &dims)?;
+        if opts.capacity == 0 || opts.sequences == 0 {
+            return Err(ModelError::InvalidArgument(format!(
+                "capacity ({}) and sequences ({}) must be at least 1",
+                opts.capacity, opts.sequences
+            )));
+        }
+        let rope = Rope::new(dims.head_dim, dims.rope_theta, opts.capacity);
+        let caches = (0..opts.sequences)
+            .map(|_| KvCache::new(dims.layers, opts.capacity, dims.kv_dim(), opts.kv_bf16))
+            .collect();
+        Ok(Self {
+            weights,
+            dims,
+            rope,
+            caches,
+        })
+    }
+
+    pub fn dims(&self) -> &Dims {
+        &self.dims
+    }
+    pub fn weights(&self) -> &Arc<Weights> {
+        &self.weights
+    }
+    pub fn rope(&self) -> &Rope {
+        &self.rope
+    }
+    /// KV cache positions per sequence.
+    pub fn capacity(&self) -> usize {
+        self.caches[0].capacity
+    }
+    pub fn sequences(&self) -> usize {
+        self.caches.len()
+    }
+    /// Sequence `seq`'s KV cache (panics if out of range).
+    pub fn cache(&self, seq: usize) -> &KvCache {
+        &self.caches[seq]
+    }
+
+    /// One decode step of sequence 0: feeds `token` at `pos` (positions
+    /// `0..pos` must already be in the cache) and returns the logits `[V]`.
+    pub fn step(&mut self, token: u32, pos: usize) -> Result<Vec<f32>, ModelError> {
+        self.forward(&[Row { seq: 0, token, pos }], Logits::All, None)
+    }
+
+    /// [`Reference::step`], recording every op's output.
+    pub fn step_traced(&mut self, token: u32, pos: usize) -> Result<StepTrace, ModelError> {
+        let mut trace = StepTrace::default();
+        self.forward(&[Row { seq: 0, token, pos }], Logits::All, Some(&mut trace))?;
+        Ok(trace)
+    }
+
+    /// Processes a prompt for sequence 0 at positions `0..len` in one
+    /// batched pass; returns the last position's logits `[V]`.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
+        self.prefill_seq(0, tokens, 0)
+    }
+
+    /// Processes `tokens` for sequence `seq` at positions `start..start+len`;
+    /// returns the last position's logits `[V]`.
+    pub fn prefill_seq(
+        &mut self,
+        seq: usize,
+        tokens: &[u32],
+        start: usize,
+    ) -> Result<Vec<f32>, ModelError> {
+        if tokens.is_empty() {
+            return Err(ModelError::EmptyPrompt);
+        }
+        let rows: Vec<Row> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, &token)| Row {
+                seq,
+                token,
+                pos: start + i,
+            })
+            .collect();
+        self.forward(&rows, Logits::Last, None)
+    }
+
+    /// One decode step for each of sequences `0..B`: `tokens[b]` at
+    /// `positions[b]` in sequence `b`, sharing one pass over the weights.
+    /// Returns logits `[B, V]`.
+    pub fn step_batch(
+        &mut self,
+        tokens: &[u32],
+        positions: &[usize],
+    ) -> Result<Vec<f32>, ModelError> {
+        if tokens.len() != positions.len() {
+            return Err(ModelError::InvalidArgument(format!(
+                "step_batch: {} tokens but {} positions",
+                tokens.len(),
+                positions.len()
+            )));
+        }
+        let rows: Vec<Row> = tokens
+            .iter()
+            .zip(positions)
+            .enumerate()
+            .map(|(seq, (&token, &pos))| Row { seq, token, pos })
+            .collect();
+        self.forward(&rows, Logits::All, None)
+    }
+
+    /// Greedy decoding on sequence 0: prefill `prompt`, then `n` new tokens.
+    /// Does not stop at end-of-text (callers that want to stop can; the
+    /// goldens continue past it).
+    pub fn generate_greedy(&mut self, prompt: &[u32], n: usize) -> Result<Vec<u32>, ModelError> {
+        if prompt.is_empty() {
+            return Err(ModelError::EmptyPrompt);
+        }
+        if prompt.len().saturating_add(n) > self.capacity() {
+            return Err(ModelError::KvCapacity {
+                prompt: prompt.len(),
+                new_tokens: n,
+                capacity: self.capacity(),
+            });
+        }
+        let mut out = Vec::with_capacity(n);
+        if n == 0 {
+            return Ok(out);
+        }
+        let mut next = argmax(&self.prefill(prompt)?);
+        out.push(next);
+        for pos in prompt.len()..prompt.len() + n - 1 {
+            next = argmax(&self.step(next, pos)?);
+            out.push(next);
+        }
+        Ok(out)
+    }
+
+    /// The general forward pass over any rows (see the module docs). Each
+    /// row's K/V is stored before any attention runs, so a row at position
+    /// `p` sees every row of the same sequence at positions `<= p`, from
+    /// this pass or earlier ones. Returns logits `[R, V]` for the rows
+    /// `which` selects; fills `trace` if given.
+    pub fn forward(
+        &mut self,
+        rows: &[Row],
+        which: Logits,
+        mut trace: Option<&mut StepTrace>,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.check_rows(rows)?;
+        let d = self.dims;
+        let (h, qd, kvd, t) = (d.hidden, d.q_dim(), d.kv_dim(), rows.len());
+        let w = &*self.weights;
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect(); // [T]
+        let positions: Vec<usize> = rows.iter().map(|r| r.pos).collect(); // [T]
+
+        let mut x = vec![0f32; t * h]; // [T, H] residual stream
+        let mut xn = vec![0f32; t * h]; // [T, H] normed
+        let mut q = vec![0f32; t * qd]; // [T, Q]
+        let mut k = vec![0f32; t * kvd]; // [T, KV]
+        let mut v = vec![0f32; t * kvd]; // [T, KV]
+        let mut att = vec![0f32; t * qd]; // [T, Q]
+
+        embed(&w.embed_tokens, &tokens, h, &mut x);
+        if let Some(tr) = trace.as_deref_mut() {
+            *tr = StepTrace {
+                embed: x.clone(),
+                ..StepTrace::default()
+            };
+        }
+        for l in 0..d.layers {
+            let lw = layer_weights(w, &d, l);
+            let mut lt = trace.as_ref().map(|_| LayerTrace::default());
+
+            rms_norm(&x, lw.input_layernorm, d.rms_norm_eps, &mut xn);
+            qkv_proj(&xn, &lw, h, &mut q, &mut k, &mut v);
+            if let Some(lt) = lt.as_mut() {
+                lt.attn_norm = xn.clone();
+                lt.q = q.clone();
+                lt.k = k.clone();
+                lt.v = v.clone();
+            }
+            rotary(&mut q, &positions, &self.rope);
+            rotary(&mut k, &positions, &self.rope);
+            for (i, r) in rows.iter().enumerate() {
+                let (ki, vi) = (&k[i * kvd..(i + 1) * kvd], &v[i * kvd..(i + 1) * kvd]);
+                kv_append(&mut self.caches[r.seq], l, r.pos, ki, vi);
+            }
+            let caches: Vec<&KvCache> = rows.iter().map(|r| &self.caches[r.seq]).collect();
+            ops::attention_rows(&q, &caches, &positions, l, &d, &mut att);
+            o_proj(&att, lw.o_proj, qd, &mut x);
+            if let Some(lt) = lt.as_mut() {
+                lt.q_rot = q.clone();
+                lt.k_rot = k.clone();
+                lt.attn = att.clone();
+                lt.h_attn = x.clone();
+            }
+
+            rms_norm(&x, lw.post_attention_layernorm, d.rms_norm_eps, &mut xn);
+            let act = mlp(&xn, &lw, &d, &mut x);
+            if let (Some(tr), Some(mut lt)) = (trace.as_deref_mut(), lt) {
+                lt.mlp_norm = xn.clone();
+                lt.act = act;
+                lt.h_out = x.clone();
+                tr.layers.push(lt);
+            }
+        }
+
+        final_norm(&x, &w.norm, d.rms_norm_eps, &mut xn);
+        let selected: &[f32] = match which {
+            Logits::None => &[],
+            Logits::Last => &xn[(t - 1) * h..],
+            Logits::All => &xn,
+        }; // [R, H]
+        let mut logits = vec![0f32; selected.len() / h * d.vocab]; // [R, V]
+        lm_head(selected, w.lm_head(), h, &mut logits);
+        if let Some(tr) = trace {
+            tr.final_norm = xn;
+            tr.logits = logits.clone();
+        }
+        Ok(logits)
+    }
+
+    fn check_rows(&self, rows: &[Row]) -> Result<(), ModelError> {
+        if rows.is_empty() {
+            return Err(ModelError::EmptyPrompt);
+        }
+        for r in rows {
+            if r.seq >= self.caches.len() {
+                return Err(ModelError::InvalidArgument(format!(
+                    "sequence {} does not exist ({} sequences)",
+                    r.seq,
+                    self.caches.len()
+                )));
+            }
+            if r.token as usize >= self.dims.vocab {
+                return Err(ModelError::TokenOutOfVocab {
+                    token: r.token,
+                    vocab_size: self.dims.vocab,
+                });
+            }
+            if r.pos >= self.capacity() {
+                return Err(ModelError::PositionOutOfRange {
+                    pos: r.pos,
+                    capacity: self.capacity(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `log_softmax` of one row of logits, in f64 (for comparing logprobs).
+///
+/// * `logits` `[V]` -> `[V]`
+pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = logits
+        .iter()
+        .map(|&v| (v as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+        + max;
+    logits.iter().map(|&v| v as f64 - lse).collect()
+}
+
+/// The `k` largest entries as `(index, value)`, largest first, lower index
+/// first on ties. `values` `[V]`.
+pub fn top_k(values: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    for (i, &v) in values.iter().enumerate() {
+        if best.len() == k && best.last().is_some_and(|&(_, b)| v <= b) {
+            continue;
+        }
+        let at = best.partition_point(|&(_, b)| b >= v);
+        best.insert(at, (i as u32, v));
+        best.truncate(k);
+    }
+    best
+}

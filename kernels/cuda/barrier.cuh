@@ -1,0 +1,85 @@
+// barrier.cuh: the grid barrier and error reporting.
+//
+// A monotonically increasing arrival counter (never reset between launches):
+// barrier k of a launch waits until arrived >= base + (k + 1) * gridDim.x,
+// where `base` is what the previous launch left in SyncState::base. Every
+// wait is bounded: it gives up when Params::spin_timeout_ns passes, when the
+// host raises HostStatus::abort, or when another CTA has claimed an error.
+#pragma once
+
+namespace qmk {
+
+// First error wins; its details go to the host-visible status block.
+__device__ __forceinline__ void record_error(const Params& p, u32 code, u32 phase, u32 layer) {
+    SyncState* s = reinterpret_cast<SyncState*>(p.sync);
+    if (atomicCAS(&s->error_claim, 0u, code) == 0u) {
+        volatile HostStatus* st = reinterpret_cast<volatile HostStatus*>(p.status);
+        st->phase = phase;
+        st->layer = layer;
+        st->cta = blockIdx.x;
+        st->error = code;
+        __threadfence_system();
+    }
+}
+
+struct GridBarrier {
+    u64 base;  // arrivals before this launch (thread 0 only)
+    u32 count; // barriers passed in this launch
+
+    __device__ __forceinline__ void init(const Params& p) {
+        count = 0;
+        base = 0;
+        if (threadIdx.x == 0) base = ld_acquire_u64(&reinterpret_cast<SyncState*>(p.sync)->base);
+    }
+
+    // Returns false when the wait was abandoned (error recorded); the caller
+    // returns from the kernel (uniformly for the whole CTA).
+    __device__ __forceinline__ bool sync(const Params& p, u32 phase, u32 layer) {
+        __shared__ int s_ok;
+        __syncthreads();
+        count += 1;
+        if (threadIdx.x == 0) {
+            SyncState* s = reinterpret_cast<SyncState*>(p.sync);
+            const volatile HostStatus* st = reinterpret_cast<const volatile HostStatus*>(p.status);
+            const u64 target = base + (u64)count * (u64)gridDim.x;
+            int ok = 1;
+            __threadfence();  // release this CTA's writes (cumulative over bar.sync)
+            atomicAdd(&s->arrived, 1ull);
+            u32 it = 0;
+            u64 t0 = 0;
+            while (ld_acquire_u64(&s->arrived) < target) {
+                if ((++it & 127u) == 0u) {
+                    const u64 now = globaltimer_ns();
+                    if (t0 == 0) t0 = now;
+                    if (st->abort != 0u) {
+                        record_error(p, kErrAborted, phase, layer);
+                        ok = 0;
+                        break;
+                    }
+                    if (*reinterpret_cast<volatile u32*>(&s->error_claim) != 0u) {
+                        ok = 0;
+                        break;
+                    }
+                    if (now - t0 > p.spin_timeout_ns) {
+                        record_error(p, kErrBarrierTimeout, phase, layer);
+                        ok = 0;
+                        break;
+                    }
+                }
+            }
+            __threadfence();  // acquire the other CTAs' writes
+            s_ok = ok;
+        }
+        __syncthreads();
+        return s_ok != 0;
+    }
+
+    // Called by CTA 0 thread 0 after the last barrier: the next launch starts
+    // counting from here.
+    __device__ __forceinline__ void finish(const Params& p) {
+        SyncState* s = reinterpret_cast<SyncState*>(p.sync);
+        s->base = base + (u64)count * (u64)gridDim.x;
+    }
+};
+
+}  // namespace qmk

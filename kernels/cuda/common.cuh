@@ -1,0 +1,111 @@
+// common.cuh: types, bf16 helpers, loads, reductions shared by every op.
+//
+// Included after the rendered plan header (qmk_plan.h), which defines the
+// model shape constants (QMK_*) and the split plan (namespace qmk_plan).
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// THE in-kernel offset type. Every weight offset is computed in this type:
+// 32-bit byte offsets relative to a chunk base (qmk_layout::KERNEL_OFFSET_MODEL).
+// The split planner guarantees every offset inside a chunk fits it; the probe
+// kernel shows what happens when it does not (the offset wraps mod 2^32).
+typedef u32 koff_t;
+static_assert(sizeof(koff_t) * 8 == qmk_plan::kOffsetBits,
+              "koff_t must be as wide as the offset model the plan was made for");
+
+#define QMK_THREADS 512
+#define QMK_WARPS (QMK_THREADS / 32)
+#define QMK_FULL_MASK 0xffffffffu
+#define QMK_INF __int_as_float(0x7f800000)
+
+namespace qmk {
+
+// bf16 -> f32 is a 16-bit shift (no header needed, exact).
+__device__ __forceinline__ float bf16_bits_to_f32(u32 bits16) { return __uint_as_float(bits16 << 16); }
+__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float ld_bf16(const void* p) {
+    return bf16_bits_to_f32(*reinterpret_cast<const u16*>(p));
+}
+
+// f32 -> bf16, round to nearest even, NaN stays a quiet NaN: the same rule as
+// half::bf16::from_f32, so the CPU reference's bf16 KV rounding matches bit
+// for bit.
+__device__ __forceinline__ u16 f32_to_bf16_rne(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x0040u);
+    u32 rounding = 0x7fffu + ((u >> 16) & 1u);
+    return (u16)((u + rounding) >> 16);
+}
+
+// Weights are read once per step: 16-byte loads through the non-coherent path,
+// not kept in L1. Only for data no CTA writes during the launch.
+__device__ __forceinline__ uint4 ld_weight16(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u64 ld_acquire_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ u64 globaltimer_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Fixed-order reductions: the same inputs give the same bits in every CTA and
+// every run (no float atomics anywhere in the kernel).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(QMK_FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(QMK_FULL_MASK, v, o));
+    return v;
+}
+
+// Sum over the CTA; every thread gets the total. `red` holds QMK_WARPS floats.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float t = lane < QMK_WARPS ? red[lane] : 0.0f;
+    t = warp_sum(t);
+    __syncthreads();  // red is reused by the next call
+    return t;
+}
+
+// 8 bf16 weights (one 16-byte load) dotted with 8 f32 activations, fixed order.
+__device__ __forceinline__ float dot8(const uint4 w, const float4 a, const float4 b, float acc) {
+    acc = fmaf(bf16_lo(w.x), a.x, acc);
+    acc = fmaf(bf16_hi(w.x), a.y, acc);
+    acc = fmaf(bf16_lo(w.y), a.z, acc);
+    acc = fmaf(bf16_hi(w.y), a.w, acc);
+    acc = fmaf(bf16_lo(w.z), b.x, acc);
+    acc = fmaf(bf16_hi(w.z), b.y, acc);
+    acc = fmaf(bf16_lo(w.w), b.z, acc);
+    acc = fmaf(bf16_hi(w.w), b.w, acc);
+    return acc;
+}
+
+// Argmax pair ordering: larger value wins, ties go to the lower index, NaN
+// never wins (comparisons with NaN are false).
+__device__ __forceinline__ bool better(float v, u32 i, float bv, u32 bi) {
+    return v > bv || (v == bv && i < bi);
+}
+
+}  // namespace qmk

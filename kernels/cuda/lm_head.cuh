@@ -1,0 +1,49 @@
+// lm_head.cuh: final norm + LM head + the per-CTA half of the argmax.
+// logits[r] = lm_head[r, :] . final_norm(x); each CTA writes its best
+// (value, index) to partial_val/partial_idx; argmax.cuh reduces those.
+#pragma once
+
+namespace qmk {
+
+__device__ __forceinline__ void lm_head(const Params& p, float* xs, float* red) {
+    const float* x = reinterpret_cast<const float*>(p.x);
+    const char* nw = reinterpret_cast<const char*>(p.norm[0]);
+    rms_norm([&](u32 i) { return x[i]; }, [&](u32 i) { return ld_bf16(nw + (koff_t)i * 2u); },
+             p.rms_norm_eps, xs, red);
+    float* logits = reinterpret_cast<float*>(p.logits);
+    const u32 nwt = gridDim.x * QMK_WARPS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float best = -QMK_INF;
+    u32 besti = 0xffffffffu;
+    // Rows ascend within a warp, so a strict '>' keeps the lowest index on ties.
+    for (u32 r = blockIdx.x * QMK_WARPS + warp; r < QMK_VOCAB; r += nwt) {
+        const char* rows[1] = {table_row(p.lm_head[0], r)};
+        float o[1];
+        warp_dot_rows<(int)QMK_HIDDEN, 1>(rows, xs, o);
+        if (lane == 0) logits[r] = o[0];
+        if (o[0] > best) {
+            best = o[0];
+            besti = r;
+        }
+    }
+    __shared__ float s_val[QMK_WARPS];
+    __shared__ u32 s_idx[QMK_WARPS];
+    if (lane == 0) {
+        s_val[warp] = best;
+        s_idx[warp] = besti;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float bv = s_val[0];
+        u32 bi = s_idx[0];
+        for (int w = 1; w < QMK_WARPS; ++w)
+            if (better(s_val[w], s_idx[w], bv, bi)) {
+                bv = s_val[w];
+                bi = s_idx[w];
+            }
+        reinterpret_cast<float*>(p.partial_val)[blockIdx.x] = bv;
+        reinterpret_cast<u32*>(p.partial_idx)[blockIdx.x] = bi;
+    }
+}
+
+}  // namespace qmk

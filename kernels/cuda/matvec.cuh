@@ -1,0 +1,52 @@
+// matvec.cuh: one warp computes NR dot products of bf16 weight rows [K] with
+// an f32 activation vector in shared memory. 16-byte coalesced weight loads,
+// U loads per row in flight before the first FMA, fixed-order accumulation
+// (lane-strided, then a xor-shuffle tree): bit-identical run to run.
+#pragma once
+
+namespace qmk {
+
+template <int K, int NR>
+__device__ __forceinline__ void warp_dot_rows(const char* const (&rows)[NR],
+                                              const float* __restrict__ xs, float (&out)[NR]) {
+    static_assert(K % 8 == 0, "rows must be whole 16-byte vectors");
+    constexpr int NV = K / 8;              // 16-byte vectors per row
+    constexpr int U = NR == 1 ? 8 : 4;     // vectors per lane per row in flight
+    const int lane = threadIdx.x & 31;
+    const float4* xs4 = reinterpret_cast<const float4*>(xs);
+    float acc[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
+#pragma unroll 1
+    for (int base = 0; base < NV; base += 32 * U) {
+        uint4 w[NR][U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = base + u * 32 + lane;
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+                if (i < NV) w[r][u] = ld_weight16(rows[r] + (size_t)i * 16);
+                else w[r][u] = make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < NV) {
+                const float4 a = xs4[2 * i], b = xs4[2 * i + 1];
+#pragma unroll
+                for (int r = 0; r < NR; ++r) acc[r] = dot8(w[r][u], a, b, acc[r]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
+}
+
+// Copy n f32 values (global, written earlier in this launch: coherent loads)
+// to shared memory. Caller synchronises.
+__device__ __forceinline__ void load_vec_to_smem(const float* __restrict__ src, float* dst, int n) {
+    for (int i = threadIdx.x; i < n; i += QMK_THREADS) dst[i] = src[i];
+}
+
+}  // namespace qmk

@@ -1,0 +1,42 @@
+// mlp.cuh: the SiLU MLP, two phases of a layer.
+//   gate_up (phase 4): post_attention_layernorm, then h[r] = silu(gate[r]) * up[r]
+//                      (one warp computes both rows r: shared activation reads)
+//   down    (phase 5): x[r] += down[layer, r, :] . h
+#pragma once
+
+namespace qmk {
+
+__device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
+
+__device__ __forceinline__ void mlp_gate_up(const Params& p, u32 layer, float* xs, float* red) {
+    const LayerView<post_attention_layernorm_t> ln(p.post_attention_layernorm, layer);
+    const float* x = reinterpret_cast<const float*>(p.x);
+    rms_norm([&](u32 i) { return x[i]; }, [&](u32 i) { return ln.elem(i); }, p.rms_norm_eps, xs,
+             red);
+    const LayerView<gate_proj_t> wg(p.gate_proj, layer);
+    const LayerView<up_proj_t> wu(p.up_proj, layer);
+    float* h = reinterpret_cast<float*>(p.mlp_h);
+    const u32 nwt = gridDim.x * QMK_WARPS;
+    for (u32 r = blockIdx.x * QMK_WARPS + (threadIdx.x >> 5); r < QMK_INTER; r += nwt) {
+        const char* rows[2] = {wg.row(r), wu.row(r)};
+        float o[2];
+        warp_dot_rows<(int)QMK_HIDDEN, 2>(rows, xs, o);
+        if ((threadIdx.x & 31) == 0) h[r] = silu(o[0]) * o[1];
+    }
+}
+
+__device__ __forceinline__ void mlp_down(const Params& p, u32 layer, float* xs) {
+    load_vec_to_smem(reinterpret_cast<const float*>(p.mlp_h), xs, (int)QMK_INTER);
+    __syncthreads();
+    const LayerView<down_proj_t> w(p.down_proj, layer);
+    float* x = reinterpret_cast<float*>(p.x);
+    const u32 nwt = gridDim.x * QMK_WARPS;
+    for (u32 r = blockIdx.x * QMK_WARPS + (threadIdx.x >> 5); r < QMK_HIDDEN; r += nwt) {
+        const char* rows[1] = {w.row(r)};
+        float o[1];
+        warp_dot_rows<(int)QMK_INTER, 1>(rows, xs, o);
+        if ((threadIdx.x & 31) == 0) x[r] = x[r] + o[0];
+    }
+}
+
+}  // namespace qmk

@@ -1,0 +1,118 @@
+// params.cuh: the C++ twin of qmk_kernels::params (Rust, #[repr(C)]).
+//
+// The rendered header (qmk_params_check.h, generated from the Rust structs with
+// std::mem::offset_of!) static_asserts the size and every field offset of
+// these structs, so a field added, removed or reordered on one side only is a
+// compile error, never a silent argument shift.
+#pragma once
+
+#define QMK_MAX_CHUNKS 16
+
+namespace qmk {
+
+// Megakernel parameters, passed by value (__grid_constant__).
+// Pointers are device addresses. Shapes: L layers, H hidden, Q = heads*D,
+// KV = kv_heads*D, I intermediate, V vocab, C = KV capacity (positions).
+struct Params {
+    // Weight chunk bases: entry c is the device address of chunk c of the
+    // tensor (layers [kChunkStart[c], kChunkStart[c+1]) of the split plan).
+    u64 embed_tokens[QMK_MAX_CHUNKS];              // [V, H] bf16
+    u64 lm_head[QMK_MAX_CHUNKS];                   // [V, H] bf16 (embed_tokens when tied)
+    u64 input_layernorm[QMK_MAX_CHUNKS];           // [L, H] bf16
+    u64 q_proj[QMK_MAX_CHUNKS];                    // [L, Q, H] bf16
+    u64 q_bias[QMK_MAX_CHUNKS];                    // [L, Q] bf16
+    u64 k_proj[QMK_MAX_CHUNKS];                    // [L, KV, H] bf16
+    u64 k_bias[QMK_MAX_CHUNKS];                    // [L, KV] bf16
+    u64 v_proj[QMK_MAX_CHUNKS];                    // [L, KV, H] bf16
+    u64 v_bias[QMK_MAX_CHUNKS];                    // [L, KV] bf16
+    u64 o_proj[QMK_MAX_CHUNKS];                    // [L, H, Q] bf16
+    u64 post_attention_layernorm[QMK_MAX_CHUNKS];  // [L, H] bf16
+    u64 gate_proj[QMK_MAX_CHUNKS];                 // [L, I, H] bf16
+    u64 up_proj[QMK_MAX_CHUNKS];                   // [L, I, H] bf16
+    u64 down_proj[QMK_MAX_CHUNKS];                 // [L, H, I] bf16
+    u64 norm[QMK_MAX_CHUNKS];                      // [H] bf16
+    u64 k_cache;          // [L, C, KV] bf16; per-layer base computed in 64 bits
+    u64 v_cache;          // [L, C, KV] bf16
+    u64 rope_cos;         // [C, D/2] f32
+    u64 rope_sin;         // [C, D/2] f32
+    u64 x;                // [H] f32 residual stream
+    u64 q;                // [Q] f32 rotated queries
+    u64 attn;             // [Q] f32 attention output
+    u64 mlp_h;            // [I] f32 silu(gate) * up
+    u64 logits;           // [V] f32
+    u64 partial_val;      // [grid] f32 per-CTA max logit
+    u64 partial_idx;      // [grid] u32 its index
+    u64 argmax_out;       // [1] u32 greedy pick (device memory)
+    u64 sync;             // SyncState (device memory)
+    u64 status;           // HostStatus (mapped pinned host memory)
+    u64 spin_timeout_ns;  // budget of every spin-wait
+    u32 token;            // input token (unless kFlagTokenFromArgmax)
+    u32 pos;              // position being decoded
+    u32 kv_capacity;      // C
+    u32 flags;            // kFlag*
+    float rms_norm_eps;
+    u32 reserved;
+};
+
+// Read the token from argmax_out (the previous step's pick) instead of
+// Params::token: back-to-back greedy decoding with no host round trip.
+constexpr u32 kFlagTokenFromArgmax = 1u;
+
+// Grid-barrier state, device memory; the host zeroes it on reset and after any
+// error. Barrier k of a launch waits for arrived >= base + (k+1) * gridDim.x.
+struct SyncState {
+    u64 arrived;      // arrivals since the last reset
+    u64 base;         // value of `arrived` when the next launch starts
+    u32 error_claim;  // first error wins it (atomicCAS); nonzero = abort
+    u32 reserved[3];
+};
+
+// Written by the kernel, read by the host (pinned, mapped into the device's
+// address space); `abort` is written by the host.
+struct HostStatus {
+    u32 abort;     // host -> device: stop at the next spin-wait check
+    u32 error;     // kErr*
+    u32 phase;     // kPhase* where the error happened
+    u32 layer;
+    u32 cta;
+    u32 barriers;  // grid barriers in the last completed step
+    u32 argmax;    // greedy pick of the last completed step
+    u32 done;      // steps completed (wrapping)
+};
+
+constexpr u32 kErrNone = 0, kErrBarrierTimeout = 1, kErrAborted = 2, kErrBadToken = 3,
+              kErrBadPos = 4;
+constexpr u32 kPhaseStart = 0, kPhaseQkv = 1, kPhaseAttention = 2, kPhaseOProj = 3,
+              kPhaseGateUp = 4, kPhaseDown = 5, kPhaseLmHead = 6, kPhaseArgmax = 7;
+
+// Trap probe: reads element [l, rows-1, cols-1] of a stacked [layers, rows,
+// cols] bf16 tensor for every l, through chunk bases exactly as the
+// megakernel addresses weights (koff_t arithmetic).
+struct ProbeParams {
+    u64 chunk_base[QMK_MAX_CHUNKS];
+    u64 out;                             // [layers] u32: the bf16 bits read
+    u32 chunk_start[QMK_MAX_CHUNKS + 1]; // first layer of each chunk, then layers
+    u32 num_chunks;
+    u32 layers;
+    u32 rows;
+    u32 cols;
+    u32 stride0;  // elements
+    u32 stride1;
+    u32 stride2;
+};
+
+// Fills the probe tensor: every element of layer l holds bf16(l + 1).
+struct ProbeFillParams {
+    u64 base;        // whole tensor, 64-bit addressing (not under test)
+    u64 n_vec16;     // 16-byte vectors in the tensor
+    u64 layer_vecs;  // 16-byte vectors per layer
+};
+
+// Streaming read (bandwidth floor): xor of every 32-bit word, per CTA.
+struct StreamParams {
+    u64 src;
+    u64 n_vec16;
+    u64 out;  // [grid] u32
+};
+
+}  // namespace qmk

@@ -1,0 +1,19 @@
+// rotary.cuh: rotate-half (neox) rotary embedding of one pair (i, i + D/2) of
+// a head, fused into the q/k projection epilogue:
+//     out[i]       = x[i] * cos[pos, i] - x[i + D/2] * sin[pos, i]
+//     out[i + D/2] = x[i + D/2] * cos[pos, i] + x[i] * sin[pos, i]
+// cos/sin come from a host-computed table [C, D/2] f32.
+#pragma once
+
+namespace qmk {
+
+__device__ __forceinline__ void rotary(const Params& p, u32 pos, u32 i, float& lo, float& hi) {
+    const size_t t = (size_t)pos * (QMK_HEAD_DIM / 2) + i;
+    const float c = reinterpret_cast<const float*>(p.rope_cos)[t];
+    const float s = reinterpret_cast<const float*>(p.rope_sin)[t];
+    const float a = lo, b = hi;
+    lo = a * c - b * s;
+    hi = b * c + a * s;
+}
+
+}  // namespace qmk

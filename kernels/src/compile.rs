@@ -1,0 +1,343 @@
+//! NVRTC compilation of a [`KernelBuild`] to a cubin (SASS for one arch, not
+//! PTX: a driver cannot JIT PTX from a newer toolkit), with an on-disk cache.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{KernelsError, Result};
+use crate::header::KernelBuild;
+use crate::nvrtc::Nvrtc;
+use crate::source;
+
+/// A GPU architecture, `sm_<major><minor>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Arch(pub u32);
+
+impl Arch {
+    pub const SM80: Arch = Arch(80);
+    pub const SM89: Arch = Arch(89);
+    pub const SM90: Arch = Arch(90);
+    /// The archs CI compiles for.
+    pub const CI: [Arch; 3] = [Arch::SM80, Arch::SM89, Arch::SM90];
+
+    /// From a compute capability.
+    pub fn from_cc(major: i32, minor: i32) -> Result<Arch> {
+        if !(5..=12).contains(&major) || !(0..=9).contains(&minor) {
+            return Err(KernelsError::BadArch(format!("{major}.{minor}")));
+        }
+        Ok(Arch(major as u32 * 10 + minor as u32))
+    }
+
+    /// Parses `sm_90`, `90` or `9.0`.
+    pub fn parse(s: &str) -> Result<Arch> {
+        let bad = || KernelsError::BadArch(s.to_string());
+        let t = s.trim();
+        let t = t.strip_prefix("sm_").unwrap_or(t);
+        if let Some((a, b)) = t.split_once('.') {
+            return Arch::from_cc(a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+        }
+        let n: u32 = t.parse().map_err(|_| bad())?;
+        if !(50..=129).contains(&n) {
+            return Err(bad());
+        }
+        Ok(Arch(n))
+    }
+
+    /// Largest opt-in shared memory per CTA, bytes (for early, clear errors).
+    pub fn max_smem_per_cta(self) -> u32 {
+        match self.0 {
+            80 | 87 => 163 * 1024,
+            86 | 89 => 99 * 1024,
+            90 => 227 * 1024,
+            _ => 99 * 1024,
+        }
+    }
+}
+
+impl fmt::Display for Arch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "sm_{}", self.0)
+    }
+}
+
+/// One kernel's resource use, from ptxas' verbose report.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Resources {
+    pub function: String,
+    pub registers: u32,
+    pub stack_bytes: u64,
+    pub spill_stores: u64,
+    pub spill_loads: u64,
+    /// Static shared memory (the megakernel also takes dynamic smem).
+    pub smem_bytes: u64,
+}
+
+impl fmt::Display for Resources {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: {} registers, {} B stack, {} B spill stores, {} B spill loads, {} B static smem",
+            self.function,
+            self.registers,
+            self.stack_bytes,
+            self.spill_stores,
+            self.spill_loads,
+            self.smem_bytes
+        )
+    }
+}
+
+fn number_before(text: &str, unit: &str) -> Option<u64> {
+    let i = text.find(unit)?;
+    text[..i].split_whitespace().last()?.parse().ok()
+}
+
+/// Parses `ptxas info` lines (`--ptxas-options=-v`) into one entry per kernel.
+pub fn parse_ptxas_log(log: &str) -> Vec<Resources> {
+    let mut out: Vec<Resources> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or("").to_string();
+            out.push(Resources {
+                function: name,
+                ..Default::default()
+            });
+        } else if let Some(r) = out.last_mut() {
+            if line.contains("bytes stack frame") {
+                r.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
+                r.spill_stores = number_before(line, "bytes spill stores").unwrap_or(0);
+                r.spill_loads = number_before(line, "bytes spill loads").unwrap_or(0);
+            } else if line.contains("Used") && line.contains("registers") {
+                r.registers = number_before(line, "registers").unwrap_or(0) as u32;
+                r.smem_bytes = number_before(line, "bytes smem").unwrap_or(0);
+            }
+        }
+    }
+    out
+}
+
+/// A compiled megakernel module.
+#[derive(Debug, Clone)]
+pub struct Cubin {
+    pub arch: Arch,
+    pub bytes: Vec<u8>,
+    /// `qmk_fingerprint` of the build it came from (0 when loaded from a
+    /// file without one known).
+    pub fingerprint: u64,
+    /// NVRTC's log (the ptxas report); empty for a file loaded directly.
+    pub log: String,
+    /// Where the cache holds it, if it was cached.
+    pub cache_path: Option<PathBuf>,
+    pub from_cache: bool,
+}
+
+impl Cubin {
+    /// Per-kernel registers, spills and static shared memory.
+    pub fn resources(&self) -> Vec<Resources> {
+        parse_ptxas_log(&self.log)
+    }
+
+    /// Reads a cubin written by `qwen-mk compile` (for machines without
+    /// NVRTC). The backend checks the fingerprint against the model.
+    pub fn from_file(path: &Path, arch: Arch) -> Result<Cubin> {
+        let bytes = std::fs::read(path).map_err(|source| KernelsError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Ok(Cubin {
+            arch,
+            bytes,
+            fingerprint: 0,
+            log: String::new(),
+            cache_path: Some(path.to_path_buf()),
+            from_cache: true,
+        })
+    }
+
+    /// Writes the cubin bytes to `path`.
+    pub fn write(&self, path: &Path) -> Result<()> {
+        std::fs::write(path, &self.bytes).map_err(|source| KernelsError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+}
+
+/// `$QMK_CACHE_DIR`, else `~/.cache/qwen-mk/cubins`.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("QMK_CACHE_DIR") {
+        return Some(PathBuf::from(d));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/qwen-mk/cubins"))
+}
+
+/// `$QMK_CUDA_INCLUDE` (colon-separated), else `/usr/local/cuda/include` if
+/// it exists. The kernel includes no CUDA header today; the folders are
+/// passed so a future `#include <cuda_bf16.h>` works with the pip layout.
+pub fn include_dirs() -> Vec<PathBuf> {
+    match std::env::var_os("QMK_CUDA_INCLUDE") {
+        Some(v) => std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()).collect(),
+        None => {
+            let p = PathBuf::from("/usr/local/cuda/include");
+            if p.is_dir() {
+                vec![p]
+            } else {
+                Vec::new()
+            }
+        }
+    }
+}
+
+/// NVRTC plus a cubin cache.
+#[derive(Debug)]
+pub struct Compiler {
+    nvrtc: Nvrtc,
+    cache_dir: Option<PathBuf>,
+    include_dirs: Vec<PathBuf>,
+}
+
+impl Compiler {
+    /// Loads NVRTC; cache in [`default_cache_dir`].
+    pub fn new() -> Result<Compiler> {
+        Ok(Compiler::with_nvrtc(Nvrtc::load()?))
+    }
+
+    pub fn with_nvrtc(nvrtc: Nvrtc) -> Compiler {
+        Compiler {
+            nvrtc,
+            cache_dir: default_cache_dir(),
+            include_dirs: include_dirs(),
+        }
+    }
+
+    /// None disables the cache.
+    pub fn cache_dir(mut self, dir: Option<PathBuf>) -> Compiler {
+        self.cache_dir = dir;
+        self
+    }
+
+    pub fn nvrtc(&self) -> &Nvrtc {
+        &self.nvrtc
+    }
+
+    /// NVRTC options for `arch`.
+    pub fn options(&self, arch: Arch) -> Vec<String> {
+        let mut o = vec![
+            format!("--gpu-architecture={arch}"),
+            "-std=c++17".to_string(),
+            "--ptxas-options=-v".to_string(),
+            // A device-only translation unit: unannotated constexpr helpers
+            // (the plan header's) are device functions too.
+            "-default-device".to_string(),
+        ];
+        for d in &self.include_dirs {
+            o.push(format!("--include-path={}", d.display()));
+        }
+        o
+    }
+
+    /// Cache key: sha256 of sources, rendered headers, arch, NVRTC version,
+    /// options and this crate's version.
+    pub fn cache_key(&self, build: &KernelBuild, arch: Arch) -> String {
+        let mut h = Sha256::new();
+        h.update(concat!("qmk-kernels ", env!("CARGO_PKG_VERSION")).as_bytes());
+        for (name, text) in std::iter::once((source::MAIN.0, source::MAIN.1)).chain(build.headers()) {
+            h.update(name.as_bytes());
+            h.update((text.len() as u64).to_le_bytes());
+            h.update(text.as_bytes());
+        }
+        h.update(arch.to_string().as_bytes());
+        let (maj, min) = self.nvrtc.version();
+        h.update(format!("nvrtc {maj}.{min}").as_bytes());
+        for o in self.options(arch) {
+            h.update(o.as_bytes());
+            h.update([0u8]);
+        }
+        h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Compiles (or fetches from the cache) the megakernel module.
+    pub fn compile(&self, build: &KernelBuild, arch: Arch) -> Result<Cubin> {
+        let key = self.cache_key(build, arch);
+        let paths = self
+            .cache_dir
+            .as_ref()
+            .map(|d| (d.join(format!("{key}.cubin")), d.join(format!("{key}.log"))));
+        if let Some((cubin_path, log_path)) = &paths {
+            if let Ok(bytes) = std::fs::read(cubin_path) {
+                let log = std::fs::read_to_string(log_path).unwrap_or_default();
+                return Ok(Cubin {
+                    arch,
+                    bytes,
+                    fingerprint: build.fingerprint,
+                    log,
+                    cache_path: Some(cubin_path.clone()),
+                    from_cache: true,
+                });
+            }
+        }
+        let compiled = self.nvrtc.compile(
+            source::MAIN.0,
+            source::MAIN.1,
+            &build.headers(),
+            &self.options(arch),
+            &arch.to_string(),
+        )?;
+        let mut cubin = Cubin {
+            arch,
+            bytes: compiled.cubin,
+            fingerprint: build.fingerprint,
+            log: compiled.log,
+            cache_path: None,
+            from_cache: false,
+        };
+        if let Some((cubin_path, log_path)) = paths {
+            // The cache is an optimisation: a read-only home is no error.
+            if store(&cubin_path, &cubin.bytes).is_ok() {
+                let _ = store(&log_path, cubin.log.as_bytes());
+                cubin.cache_path = Some(cubin_path);
+            }
+        }
+        Ok(cubin)
+    }
+}
+
+/// Write-then-rename so a concurrent reader never sees half a cubin.
+fn store(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arch_parsing() {
+        assert_eq!(Arch::parse("sm_90").unwrap(), Arch::SM90);
+        assert_eq!(Arch::parse("89").unwrap(), Arch::SM89);
+        assert_eq!(Arch::parse("8.0").unwrap(), Arch::SM80);
+        assert!(Arch::parse("sm_x").is_err());
+        assert_eq!(Arch::SM90.to_string(), "sm_90");
+    }
+
+    #[test]
+    fn ptxas_report_parses() {
+        let log = "ptxas info    : Compiling entry function 'qmk_decode_step' for 'sm_90'\n\
+                   ptxas info    : Function properties for qmk_decode_step\n\
+                   ptxas         .     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n\
+                   ptxas info    : Used 78 registers, used 1 barriers, 208 bytes smem, 2416 bytes cmem[0]\n";
+        let r = parse_ptxas_log(log);
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0].function, "qmk_decode_step");
+        assert_eq!(r[0].registers, 78);
+        assert_eq!((r[0].stack_bytes, r[0].spill_stores, r[0].spill_loads), (8, 4, 12));
+        assert_eq!(r[0].smem_bytes, 208);
+    }
+}

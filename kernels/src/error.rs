@@ -1,0 +1,56 @@
+//! The crate's one error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong turning a model plan into a cubin.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelsError {
+    /// No NVRTC library could be loaded.
+    #[error(
+        "NVRTC was not found (tried: {tried}); install it with `bash .ci/nvrtc.sh` \
+         (pip wheels, no GPU needed) and set QMK_NVRTC_LIB, or load a prebuilt cubin"
+    )]
+    NvrtcNotFound { tried: String },
+    /// The library loaded but lacks an entry point.
+    #[error("NVRTC library {path}: missing symbol `{symbol}`: {source}")]
+    NvrtcSymbol {
+        path: PathBuf,
+        symbol: &'static str,
+        #[source]
+        source: libloading::Error,
+    },
+    /// An NVRTC call returned an error code.
+    #[error("NVRTC {call} failed with code {code}: {message}")]
+    NvrtcCall {
+        call: &'static str,
+        code: i32,
+        message: String,
+    },
+    /// The kernel did not compile; the log names the file and line.
+    #[error("compiling the megakernel for {arch} failed:\n{log}")]
+    Compile { arch: String, log: String },
+    /// An architecture string that is not `sm_XY` / `XY`.
+    #[error("unsupported GPU architecture `{0}` (expected sm_80, sm_86, sm_89, sm_90, ...)")]
+    BadArch(String),
+    /// The plan lacks a tensor the kernel addresses, or has too many chunks.
+    #[error("tensor {tensor}: {reason}")]
+    Plan { tensor: String, reason: String },
+    /// A model dimension the kernel cannot take.
+    #[error("model field {field}: {reason}")]
+    Config { field: &'static str, reason: String },
+    /// Reading or writing a cubin (cache or file).
+    #[error("cubin file {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The model crate refused the config (validation, inventory, plan).
+    #[error(transparent)]
+    Model(#[from] qmk_model::ModelError),
+    /// The layout crate refused the plan (header rendering).
+    #[error(transparent)]
+    Layout(#[from] qmk_layout::LayoutError),
+}
+
+pub type Result<T, E = KernelsError> = std::result::Result<T, E>;

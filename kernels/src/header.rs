@@ -1,0 +1,185 @@
+//! A model's kernel build inputs: the rendered plan header (shapes, strides,
+//! chunk tables, `QMK_*` constants) and the parameter-block checks.
+
+use qmk_layout::ModelPlan;
+use qmk_model::Config;
+use sha2::{Digest, Sha256};
+
+use crate::error::{KernelsError, Result};
+use crate::params::{params_check_header, KERNEL_TENSORS, MAX_CHUNKS, THREADS_PER_CTA};
+use crate::source;
+
+/// Warps per CTA.
+pub const WARPS_PER_CTA: u64 = THREADS_PER_CTA as u64 / 32;
+
+/// Everything that goes into compiling the megakernel for one model.
+#[derive(Debug, Clone)]
+pub struct KernelBuild {
+    pub config: Config,
+    pub plan: ModelPlan,
+    /// `qmk_plan.h`.
+    pub plan_header: String,
+    /// `qmk_params_check.h`.
+    pub params_check: String,
+    /// Identifies (sources, headers); compiled into the cubin as
+    /// `qmk_fingerprint` so a cubin built for another model is refused.
+    pub fingerprint: u64,
+    /// Dynamic shared memory per CTA, bytes.
+    pub smem_bytes: u32,
+    /// Grid barriers per decode step.
+    pub barriers_per_step: u32,
+}
+
+fn dim(field: &'static str, v: usize) -> Result<u64> {
+    let v = u64::try_from(v).map_err(|_| KernelsError::Config {
+        field,
+        reason: "does not fit 64 bits".into(),
+    })?;
+    if v == 0 || v > u32::MAX as u64 {
+        return Err(KernelsError::Config {
+            field,
+            reason: format!("{v} is outside 1..=2^32-1"),
+        });
+    }
+    Ok(v)
+}
+
+fn need(cond: bool, field: &'static str, reason: String) -> Result<()> {
+    if cond {
+        Ok(())
+    } else {
+        Err(KernelsError::Config { field, reason })
+    }
+}
+
+impl KernelBuild {
+    /// Plans `config` with the kernel's offset model and renders the headers.
+    pub fn new(config: &Config) -> Result<KernelBuild> {
+        let plan = qmk_model::model_plan(config)?;
+        Self::with_plan(config, plan)
+    }
+
+    /// Renders the headers for a given plan (tests force other plans).
+    pub fn with_plan(config: &Config, plan: ModelPlan) -> Result<KernelBuild> {
+        config.validate()?;
+        let h = dim("hidden_size", config.hidden_size)?;
+        let i = dim("intermediate_size", config.intermediate_size)?;
+        let l = dim("num_hidden_layers", config.num_hidden_layers)?;
+        let heads = dim("num_attention_heads", config.num_attention_heads)?;
+        let kvh = dim("num_key_value_heads", config.num_kv_heads())?;
+        let d = dim("head_dim", config.head_dim())?;
+        let v = dim("vocab_size", config.vocab_size)?;
+        let q = dim("q_dim", config.q_dim())?;
+        let kv = dim("kv_dim", config.kv_dim())?;
+        // 16-byte weight loads cover whole rows; lanes cover whole heads.
+        need(h % 8 == 0, "hidden_size", format!("{h} is not a multiple of 8"))?;
+        need(i % 8 == 0, "intermediate_size", format!("{i} is not a multiple of 8"))?;
+        need(q % 8 == 0, "q_dim", format!("{q} is not a multiple of 8"))?;
+        need(d % 32 == 0, "head_dim", format!("{d} is not a multiple of 32"))?;
+        need(heads % kvh == 0, "num_key_value_heads", format!("{kvh} does not divide {heads} heads"))?;
+        need(v.checked_mul(h).and_then(|x| x.checked_mul(2)).is_some_and(|b| b <= 1 << 32),
+            "vocab_size", format!("the [{v}, {h}] bf16 table exceeds the 32-bit row offsets"))?;
+
+        for name in KERNEL_TENSORS {
+            let t = plan.tensor(name);
+            match (name, t) {
+                ("lm_head", None) if config.tie_word_embeddings => {}
+                (_, None) => {
+                    return Err(KernelsError::Plan {
+                        tensor: name.into(),
+                        reason: "missing from the model plan".into(),
+                    })
+                }
+                (_, Some(t)) => {
+                    if t.chunks.len() > MAX_CHUNKS {
+                        return Err(KernelsError::Plan {
+                            tensor: name.into(),
+                            reason: format!(
+                                "{} chunks exceed the kernel's MAX_CHUNKS = {MAX_CHUNKS}",
+                                t.chunks.len()
+                            ),
+                        });
+                    }
+                    let whole = matches!(name, "embed_tokens" | "lm_head" | "norm");
+                    if whole && t.chunks.len() != 1 {
+                        return Err(KernelsError::Plan {
+                            tensor: name.into(),
+                            reason: "the kernel addresses this table as one chunk".into(),
+                        });
+                    }
+                }
+            }
+        }
+
+        let smem_floats = [h, q, i, 2 * WARPS_PER_CTA + WARPS_PER_CTA * d]
+            .into_iter()
+            .max()
+            .unwrap_or(h);
+        let smem_bytes = u32::try_from(smem_floats * 4).map_err(|_| KernelsError::Config {
+            field: "intermediate_size",
+            reason: "shared memory size overflows".into(),
+        })?;
+        let barriers = l * 5 + 1;
+        let consts: Vec<(&str, u64)> = vec![
+            ("QMK_HIDDEN", h),
+            ("QMK_INTER", i),
+            ("QMK_LAYERS", l),
+            ("QMK_HEADS", heads),
+            ("QMK_KV_HEADS", kvh),
+            ("QMK_HEAD_DIM", d),
+            ("QMK_VOCAB", v),
+            ("QMK_Q_DIM", q),
+            ("QMK_KV_DIM", kv),
+            ("QMK_TIED", config.tie_word_embeddings as u64),
+            ("QMK_SMEM_FLOATS", smem_floats),
+            ("QMK_THREADS_PER_CTA", THREADS_PER_CTA as u64),
+            ("QMK_BARRIERS_PER_STEP", barriers),
+        ];
+        let rendered = qmk_layout::try_render_header(&plan, &consts)?;
+        // The constants live in namespace qmk_plan; the kernel uses them
+        // unqualified (a using-directive would also pull in the tensor
+        // namespaces, whose names clash with the op functions).
+        let mut plan_header = rendered;
+        plan_header.push('\n');
+        for (name, _) in &consts {
+            plan_header.push_str(&format!(
+                "constexpr unsigned long long {name} = qmk_plan::{name};\n"
+            ));
+        }
+        let params_check = params_check_header();
+
+        let mut hasher = Sha256::new();
+        for (name, text) in std::iter::once(&source::MAIN).chain(source::HEADERS) {
+            hasher.update(name.as_bytes());
+            hasher.update((text.len() as u64).to_le_bytes());
+            hasher.update(text.as_bytes());
+        }
+        hasher.update(plan_header.as_bytes());
+        hasher.update(params_check.as_bytes());
+        let digest = hasher.finalize();
+        let mut eight = [0u8; 8];
+        eight.copy_from_slice(&digest[..8]);
+        let fingerprint = u64::from_le_bytes(eight);
+        plan_header.push_str(&format!(
+            "extern \"C\" __device__ const unsigned long long qmk_fingerprint = {fingerprint}ull;\n"
+        ));
+
+        Ok(KernelBuild {
+            config: config.clone(),
+            plan,
+            plan_header,
+            params_check,
+            fingerprint,
+            smem_bytes,
+            barriers_per_step: barriers as u32,
+        })
+    }
+
+    /// The in-memory headers NVRTC gets.
+    pub fn headers(&self) -> Vec<(&str, &str)> {
+        let mut v: Vec<(&str, &str)> = source::HEADERS.to_vec();
+        v.push(("qmk_plan.h", &self.plan_header));
+        v.push(("qmk_params_check.h", &self.params_check));
+        v
+    }
+}

@@ -1,0 +1,286 @@
+//! The kernel parameter blocks, `#[repr(C)]`, twins of `cuda/params.cuh`.
+//!
+//! [`params_check_header`] renders `static_assert`s of the C++ structs' size
+//! and of every field's offset, with the numbers taken from these Rust
+//! structs (`std::mem::offset_of!`): a field that differs on one side fails
+//! the kernel's compilation instead of shifting arguments silently.
+
+use std::mem::{offset_of, size_of};
+
+/// Chunk slots per tensor in [`KernelParams`] (72B's gate/up/down need 10).
+pub const MAX_CHUNKS: usize = 16;
+
+/// Threads per CTA of every kernel in the cubin.
+pub const THREADS_PER_CTA: u32 = 512;
+
+/// [`KernelParams::flags`]: read the input token from `argmax_out` (the
+/// previous step's pick) instead of `token`.
+pub const FLAG_TOKEN_FROM_ARGMAX: u32 = 1;
+
+/// Megakernel parameters (`qmk::Params`). Device addresses are `u64`.
+/// L layers, H hidden, Q = heads * D, KV = kv_heads * D, I intermediate,
+/// V vocab, C KV capacity.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct KernelParams {
+    pub embed_tokens: [u64; MAX_CHUNKS],             // [V, H] bf16
+    pub lm_head: [u64; MAX_CHUNKS],                  // [V, H] bf16 (embed_tokens when tied)
+    pub input_layernorm: [u64; MAX_CHUNKS],          // [L, H] bf16
+    pub q_proj: [u64; MAX_CHUNKS],                   // [L, Q, H] bf16
+    pub q_bias: [u64; MAX_CHUNKS],                   // [L, Q] bf16
+    pub k_proj: [u64; MAX_CHUNKS],                   // [L, KV, H] bf16
+    pub k_bias: [u64; MAX_CHUNKS],                   // [L, KV] bf16
+    pub v_proj: [u64; MAX_CHUNKS],                   // [L, KV, H] bf16
+    pub v_bias: [u64; MAX_CHUNKS],                   // [L, KV] bf16
+    pub o_proj: [u64; MAX_CHUNKS],                   // [L, H, Q] bf16
+    pub post_attention_layernorm: [u64; MAX_CHUNKS], // [L, H] bf16
+    pub gate_proj: [u64; MAX_CHUNKS],                // [L, I, H] bf16
+    pub up_proj: [u64; MAX_CHUNKS],                  // [L, I, H] bf16
+    pub down_proj: [u64; MAX_CHUNKS],                // [L, H, I] bf16
+    pub norm: [u64; MAX_CHUNKS],                     // [H] bf16
+    pub k_cache: u64,                                // [L, C, KV] bf16
+    pub v_cache: u64,                                // [L, C, KV] bf16
+    pub rope_cos: u64,                               // [C, D/2] f32
+    pub rope_sin: u64,                               // [C, D/2] f32
+    pub x: u64,                                      // [H] f32
+    pub q: u64,                                      // [Q] f32
+    pub attn: u64,                                   // [Q] f32
+    pub mlp_h: u64,                                  // [I] f32
+    pub logits: u64,                                 // [V] f32
+    pub partial_val: u64,                            // [grid] f32
+    pub partial_idx: u64,                            // [grid] u32
+    pub argmax_out: u64,                             // [1] u32
+    pub sync: u64,                                   // SyncState, device
+    pub status: u64,                                 // HostStatus, mapped host memory
+    pub spin_timeout_ns: u64,
+    pub token: u32,
+    pub pos: u32,
+    pub kv_capacity: u32,
+    pub flags: u32,
+    pub rms_norm_eps: f32,
+    pub reserved: u32,
+}
+
+/// Grid-barrier state in device memory (`qmk::SyncState`); zeroed on reset.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct SyncState {
+    pub arrived: u64,
+    pub base: u64,
+    pub error_claim: u32,
+    pub reserved: [u32; 3],
+}
+
+/// Kernel-to-host status block in mapped pinned memory (`qmk::HostStatus`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct HostStatus {
+    pub abort: u32,
+    pub error: u32,
+    pub phase: u32,
+    pub layer: u32,
+    pub cta: u32,
+    pub barriers: u32,
+    pub argmax: u32,
+    pub done: u32,
+}
+
+/// Trap-probe parameters (`qmk::ProbeParams`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct ProbeParams {
+    pub chunk_base: [u64; MAX_CHUNKS],
+    pub out: u64,
+    pub chunk_start: [u32; MAX_CHUNKS + 1],
+    pub num_chunks: u32,
+    pub layers: u32,
+    pub rows: u32,
+    pub cols: u32,
+    pub stride0: u32,
+    pub stride1: u32,
+    pub stride2: u32,
+}
+
+/// Probe-tensor fill parameters (`qmk::ProbeFillParams`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct ProbeFillParams {
+    pub base: u64,
+    pub n_vec16: u64,
+    pub layer_vecs: u64,
+}
+
+/// Streaming-read parameters (`qmk::StreamParams`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct StreamParams {
+    pub src: u64,
+    pub n_vec16: u64,
+    pub out: u64,
+}
+
+/// Kernel error codes (`qmk::kErr*`).
+pub mod err {
+    pub const NONE: u32 = 0;
+    pub const BARRIER_TIMEOUT: u32 = 1;
+    pub const ABORTED: u32 = 2;
+    pub const BAD_TOKEN: u32 = 3;
+    pub const BAD_POS: u32 = 4;
+
+    pub fn name(code: u32) -> &'static str {
+        match code {
+            NONE => "none",
+            BARRIER_TIMEOUT => "grid barrier timed out",
+            ABORTED => "aborted by the host",
+            BAD_TOKEN => "token out of the vocabulary",
+            BAD_POS => "position past the KV capacity",
+            _ => "unknown error code",
+        }
+    }
+}
+
+/// Phase names (`qmk::kPhase*`), for error messages.
+pub fn phase_name(phase: u32) -> &'static str {
+    match phase {
+        0 => "start",
+        1 => "qkv_proj",
+        2 => "attention",
+        3 => "o_proj",
+        4 => "mlp gate/up",
+        5 => "mlp down",
+        6 => "lm_head",
+        7 => "argmax",
+        _ => "unknown phase",
+    }
+}
+
+macro_rules! check_struct {
+    ($out:ident, $cpp:literal, $id:literal, $ty:ty, [$($field:ident $([$idx:literal])?),* $(,)?]) => {{
+        $out.push_str(&format!(
+            "static_assert(sizeof({}) == {}, \"{}: size differs from the Rust struct\");\n",
+            $cpp, size_of::<$ty>(), $cpp
+        ));
+        $(
+            let access = concat!(stringify!($field) $(, "[", stringify!($idx), "]")?);
+            $out.push_str(&format!(
+                "__device__ constexpr unsigned long long qmk_off_{id}_{f}() {{ {cpp} p{{}}; qmk_set_marker(p.{access}); \
+                 return qmk_find_marker(__builtin_bit_cast(qmk_bytes<sizeof({cpp})>, p)); }}\n\
+                 static_assert(qmk_off_{id}_{f}() == {off}, \"{cpp}::{f}: offset differs from the Rust struct\");\n",
+                id = $id, f = stringify!($field), cpp = $cpp, access = access,
+                off = offset_of!($ty, $field),
+            ));
+        )*
+    }};
+}
+
+/// `qmk_params_check.h`: size and offset asserts for every struct above.
+///
+/// NVRTC has no `offsetof`; an offset is found at compile time by setting
+/// the field's first byte to a marker in a value-initialised struct and
+/// searching the marker in its `__builtin_bit_cast` byte image.
+pub fn params_check_header() -> String {
+    let mut out = String::from(
+        "// Generated by qmk-kernels from the Rust #[repr(C)] structs; do not edit.\n#pragma once\n\
+         template <unsigned long long N> struct qmk_bytes { unsigned char b[N]; };\n\
+         template <unsigned long long N>\n\
+         __device__ constexpr unsigned long long qmk_find_marker(const qmk_bytes<N> x) {\n\
+         \x20 for (unsigned long long i = 0; i < N; ++i) if (x.b[i] == 0xABu) return i;\n\
+         \x20 return ~0ull;\n\
+         }\n\
+         __device__ constexpr void qmk_set_marker(unsigned int& v) { v = 0xABu; }\n\
+         __device__ constexpr void qmk_set_marker(unsigned long long& v) { v = 0xABull; }\n\
+         __device__ constexpr void qmk_set_marker(float& v) { v = __builtin_bit_cast(float, 0xABu); }\n",
+    );
+    out.push_str(&format!(
+        "static_assert(QMK_MAX_CHUNKS == {MAX_CHUNKS}, \"QMK_MAX_CHUNKS differs from Rust MAX_CHUNKS\");\n"
+    ));
+    out.push_str(&format!(
+        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u, \"flag differs\");\n"
+    ));
+    out.push_str(&format!(
+        "static_assert(qmk::kErrBarrierTimeout == {}u && qmk::kErrAborted == {}u && qmk::kErrBadToken == {}u && qmk::kErrBadPos == {}u, \"error codes differ\");\n",
+        err::BARRIER_TIMEOUT, err::ABORTED, err::BAD_TOKEN, err::BAD_POS
+    ));
+    check_struct!(out, "qmk::Params", "Params", KernelParams, [
+        embed_tokens[0], lm_head[0], input_layernorm[0], q_proj[0], q_bias[0], k_proj[0],
+        k_bias[0], v_proj[0], v_bias[0], o_proj[0], post_attention_layernorm[0], gate_proj[0],
+        up_proj[0], down_proj[0], norm[0], k_cache, v_cache, rope_cos, rope_sin, x, q, attn,
+        mlp_h, logits, partial_val, partial_idx, argmax_out, sync, status, spin_timeout_ns,
+        token, pos, kv_capacity, flags, rms_norm_eps, reserved,
+    ]);
+    check_struct!(out, "qmk::SyncState", "SyncState", SyncState, [arrived, base, error_claim, reserved[0]]);
+    check_struct!(out, "qmk::HostStatus", "HostStatus", HostStatus, [
+        abort, error, phase, layer, cta, barriers, argmax, done,
+    ]);
+    check_struct!(out, "qmk::ProbeParams", "ProbeParams", ProbeParams, [
+        chunk_base[0], out, chunk_start[0], num_chunks, layers, rows, cols, stride0, stride1, stride2,
+    ]);
+    check_struct!(out, "qmk::ProbeFillParams", "ProbeFillParams", ProbeFillParams, [base, n_vec16, layer_vecs]);
+    check_struct!(out, "qmk::StreamParams", "StreamParams", StreamParams, [src, n_vec16, out]);
+    out
+}
+
+impl KernelParams {
+    /// The chunk-base array of a planned tensor, by its plan name.
+    pub fn chunks_mut(&mut self, tensor: &str) -> Option<&mut [u64; MAX_CHUNKS]> {
+        Some(match tensor {
+            "embed_tokens" => &mut self.embed_tokens,
+            "lm_head" => &mut self.lm_head,
+            "input_layernorm" => &mut self.input_layernorm,
+            "q_proj" => &mut self.q_proj,
+            "q_bias" => &mut self.q_bias,
+            "k_proj" => &mut self.k_proj,
+            "k_bias" => &mut self.k_bias,
+            "v_proj" => &mut self.v_proj,
+            "v_bias" => &mut self.v_bias,
+            "o_proj" => &mut self.o_proj,
+            "post_attention_layernorm" => &mut self.post_attention_layernorm,
+            "gate_proj" => &mut self.gate_proj,
+            "up_proj" => &mut self.up_proj,
+            "down_proj" => &mut self.down_proj,
+            "norm" => &mut self.norm,
+            _ => return None,
+        })
+    }
+}
+
+/// Tensors the kernel addresses through [`KernelParams`] chunk arrays, by
+/// plan name. `lm_head` is absent from tied models' plans.
+pub const KERNEL_TENSORS: [&str; 15] = [
+    "embed_tokens",
+    "lm_head",
+    "input_layernorm",
+    "q_proj",
+    "q_bias",
+    "k_proj",
+    "k_bias",
+    "v_proj",
+    "v_bias",
+    "o_proj",
+    "post_attention_layernorm",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "norm",
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_are_what_the_cuda_twin_expects() {
+        assert_eq!(size_of::<KernelParams>(), 15 * MAX_CHUNKS * 8 + 15 * 8 + 6 * 4);
+        assert_eq!(size_of::<SyncState>(), 32);
+        assert_eq!(size_of::<HostStatus>(), 32);
+        // Kernel parameters must stay under the 4 KiB launch limit.
+        assert!(size_of::<KernelParams>() <= 4096);
+    }
+
+    #[test]
+    fn check_header_names_every_field() {
+        let h = params_check_header();
+        assert!(h.contains("qmk::Params::rms_norm_eps: offset differs"));
+        assert!(h.contains("sizeof(qmk::ProbeParams) == "));
+    }
+}
