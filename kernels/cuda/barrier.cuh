@@ -44,7 +44,8 @@ struct GridBarrier {
             const u64 target = base + (u64)count * (u64)gridDim.x;
             int ok = 1;
             __threadfence();  // release this CTA's writes (cumulative over bar.sync)
-            atomicAdd(&s->arrived, 1ull);
+            const bool hang = (p.flags & kFlagDebugHang) && count == 1 && blockIdx.x + 1 == gridDim.x;
+            if (!hang) atomicAdd(&s->arrived, 1ull);
             u32 it = 0;
             u64 t0 = 0;
             while (ld_acquire_u64(&s->arrived) < target) {

@@ -57,6 +57,9 @@ struct Params {
 // Read the token from argmax_out (the previous step's pick) instead of
 // Params::token: back-to-back greedy decoding with no host round trip.
 constexpr u32 kFlagTokenFromArgmax = 1u;
+// Test hook: the last CTA skips its arrival at the first barrier, a real
+// hang that every other spin-wait must turn into an error.
+constexpr u32 kFlagDebugHang = 2u;
 
 // Grid-barrier state, device memory; the host zeroes it on reset and after any
 // error. Barrier k of a launch waits for arrived >= base + (k+1) * gridDim.x.

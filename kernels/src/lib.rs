@@ -27,5 +27,5 @@ pub use header::{KernelBuild, WARPS_PER_CTA};
 pub use nvrtc::Nvrtc;
 pub use params::{
     HostStatus, KernelParams, ProbeFillParams, ProbeParams, StreamParams, SyncState,
-    FLAG_TOKEN_FROM_ARGMAX, MAX_CHUNKS, THREADS_PER_CTA,
+    FLAG_DEBUG_HANG, FLAG_TOKEN_FROM_ARGMAX, MAX_CHUNKS, THREADS_PER_CTA,
 };

@@ -17,6 +17,11 @@ pub const THREADS_PER_CTA: u32 = 512;
 /// previous step's pick) instead of `token`.
 pub const FLAG_TOKEN_FROM_ARGMAX: u32 = 1;
 
+/// [`KernelParams::flags`], tests only: the last CTA skips its first grid
+/// barrier arrival (a real hang the bounded spin-waits must turn into an
+/// error).
+pub const FLAG_DEBUG_HANG: u32 = 2;
+
 /// Megakernel parameters (`qmk::Params`). Device addresses are `u64`.
 /// L layers, H hidden, Q = heads * D, KV = kv_heads * D, I intermediate,
 /// V vocab, C KV capacity.
@@ -195,7 +200,7 @@ pub fn params_check_header() -> String {
         "static_assert(QMK_MAX_CHUNKS == {MAX_CHUNKS}, \"QMK_MAX_CHUNKS differs from Rust MAX_CHUNKS\");\n"
     ));
     out.push_str(&format!(
-        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u, \"flag differs\");\n"
+        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u, \"flags differ\");\n"
     ));
     out.push_str(&format!(
         "static_assert(qmk::kErrBarrierTimeout == {}u && qmk::kErrAborted == {}u && qmk::kErrBadToken == {}u && qmk::kErrBadPos == {}u, \"error codes differ\");\n",

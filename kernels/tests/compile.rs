@@ -63,6 +63,8 @@ fn cache_hits_on_the_second_compile() {
     assert!(!a.from_cache);
     let b = c.compile(&build, Arch::SM90).unwrap();
     assert!(b.from_cache);
+    // The backend refuses a cubin built for another model by this symbol.
+    assert!(a.bytes.windows(15).any(|w| w == b"qmk_fingerprint"));
     assert_eq!(a.bytes, b.bytes);
     assert_eq!(a.resources(), b.resources());
     // A different arch is a different key.

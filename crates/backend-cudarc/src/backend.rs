@@ -104,6 +104,7 @@ pub struct CudarcBackend {
     pub(crate) next_pos: usize,
     pub(crate) dead: Option<String>,
     pub(crate) needs_reset: Option<String>,
+    pub(crate) debug_flags: u32,
     pub(crate) opts: Options,
     pub(crate) status: MappedHost,
     pub(crate) sync: DeviceBuffer,
@@ -399,6 +400,7 @@ impl CudarcBackend {
             next_pos: 0,
             dead: None,
             needs_reset: None,
+            debug_flags: 0,
             opts,
             status,
             sync,
@@ -439,6 +441,12 @@ impl CudarcBackend {
     pub fn set_spin_timeout(&mut self, t: Duration) {
         self.params.spin_timeout_ns = t.as_nanos().min(u64::MAX as u128) as u64;
     }
+    /// Test hook: `true` makes the next steps hang at their first grid
+    /// barrier (one CTA never arrives), to exercise the bounded waits.
+    #[doc(hidden)]
+    pub fn set_debug_hang(&mut self, on: bool) {
+        self.debug_flags = if on { qmk_kernels::params::FLAG_DEBUG_HANG } else { 0 };
+    }
     /// Changes the host deadline of one step.
     pub fn set_step_deadline(&mut self, t: Duration) {
         self.opts.step_deadline = t;
@@ -467,7 +475,7 @@ impl CudarcBackend {
     pub(crate) fn launch_step(&mut self, token: u32, pos: usize, flags: u32) -> Result<()> {
         self.params.token = token;
         self.params.pos = pos as u32;
-        self.params.flags = flags;
+        self.params.flags = flags | self.debug_flags;
         let mut p = self.params;
         let mut args = [(&mut p as *mut KernelParams).cast::<c_void>()];
         // SAFETY: the function takes one Params by value; the driver copies

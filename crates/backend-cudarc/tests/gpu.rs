@@ -151,22 +151,28 @@ fn logits_are_bit_identical_across_runs_and_a_hang_becomes_an_error() {
     assert!(matches!(b.step(1, 64), Err(Error::Position { .. })));
     assert!(matches!(b.step(1, 5), Err(Error::Position { .. })));
 
-    // A spin-wait that runs out of budget: a kernel error, then reset works.
-    b.set_spin_timeout(Duration::from_nanos(1));
+    // A real hang (one CTA never arrives at the first barrier) with a short
+    // spin budget: the waiting CTAs give up, the kernel reports where, the
+    // engine asks for a reset, and a reset recovers.
+    b.set_debug_hang(true);
+    b.set_spin_timeout(Duration::from_millis(20));
+    let t = std::time::Instant::now();
     let e = b.step(1, 0).unwrap_err();
-    println!("tiny spin budget -> {e}");
+    println!("hang + 20 ms spin budget -> {e} (after {:.1} ms)", t.elapsed().as_secs_f64() * 1e3);
     assert!(matches!(e, Error::Kernel { code: 1, .. }), "{e}");
     assert!(matches!(b.step(1, 0), Err(Error::NeedsReset(_))));
-    b.set_spin_timeout(Duration::from_secs(2));
     b.reset().unwrap();
-    assert_eq!(b.step(PROMPT[0], 0).unwrap().argmax, argmax(&a[0]));
 
-    // A host deadline of zero: the host raises the abort flag, the kernel
-    // stops at its next spin-wait check, the host reports a timeout.
-    b.set_step_deadline(Duration::ZERO);
-    let e = b.step(PROMPT[1], 1).unwrap_err();
-    println!("zero host deadline -> {e}");
+    // The same hang with a long spin budget: the host deadline (200 ms)
+    // raises the abort flag, the kernel stops, the host reports a timeout.
+    b.set_spin_timeout(Duration::from_secs(60));
+    b.set_step_deadline(Duration::from_millis(200));
+    let t = std::time::Instant::now();
+    let e = b.step(1, 0).unwrap_err();
+    println!("hang + 200 ms host deadline -> {e} (after {:.1} ms)", t.elapsed().as_secs_f64() * 1e3);
     assert!(matches!(e, Error::Timeout { .. }), "{e}");
+    b.set_debug_hang(false);
+    b.set_spin_timeout(Duration::from_secs(2));
     b.set_step_deadline(Duration::from_secs(30));
     b.reset().unwrap();
     assert_eq!(b.step(PROMPT[0], 0).unwrap().argmax, argmax(&a[0]));
