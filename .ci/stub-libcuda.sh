@@ -25,8 +25,10 @@ SRC="$(dirname "$SRC")/src/cuda.rs"
     grep -q "pub fn $f\b" "$SRC" || echo "int $f(void) { return 100; }"
   done
 } >"$OUT/stub.c"
-gcc -shared -fPIC -O1 -Wl,-soname,libcuda.so.1 -o "$OUT/libcuda.so.1" "$OUT/stub.c"
-ln -sf libcuda.so.1 "$OUT/libcuda.so"
+# find_cuda_helper (cust's build script) looks in $CUDA_LIBRARY_PATH/lib64.
+mkdir -p "$OUT/lib64"
+gcc -shared -fPIC -O1 -Wl,-soname,libcuda.so.1 -o "$OUT/lib64/libcuda.so.1" "$OUT/stub.c"
+ln -sf libcuda.so.1 "$OUT/lib64/libcuda.so"
 echo "export CUDA_LIBRARY_PATH=\"$OUT\""
-echo "export LD_LIBRARY_PATH=\"$OUT\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\""
+echo "export LD_LIBRARY_PATH=\"$OUT/lib64\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\""
 echo "export QMK_STUB_LIBCUDA=1"

@@ -43,9 +43,16 @@ struct GridBarrier {
             const volatile HostStatus* st = reinterpret_cast<const volatile HostStatus*>(p.status);
             const u64 target = base + (u64)count * (u64)gridDim.x;
             int ok = 1;
-            __threadfence();  // release this CTA's writes (cumulative over bar.sync)
+            const bool relacq = (p.flags & kFlagBarrierRelAcq) != 0;
             const bool hang = (p.flags & kFlagDebugHang) && count == 1 && blockIdx.x + 1 == gridDim.x;
-            if (!hang) atomicAdd(&s->arrived, 1ull);
+            if (relacq) {
+                // Release at gpu scope orders this CTA's writes (made visible
+                // to thread 0 by bar.sync) before the arrival.
+                if (!hang) red_release_add_u64(&s->arrived, 1ull);
+            } else {
+                __threadfence();  // release this CTA's writes (cumulative over bar.sync)
+                if (!hang) atomicAdd(&s->arrived, 1ull);
+            }
             u32 it = 0;
             u64 t0 = 0;
             while (ld_acquire_u64(&s->arrived) < target) {
@@ -68,7 +75,7 @@ struct GridBarrier {
                     }
                 }
             }
-            __threadfence();  // acquire the other CTAs' writes
+            if (!relacq) __threadfence();  // acquire the other CTAs' writes
             s_ok = ok;
         }
         __syncthreads();

@@ -57,6 +57,18 @@ __device__ __forceinline__ u64 ld_acquire_u64(const u64* p) {
     return v;
 }
 
+// A plain volatile load as its own instruction (a C++ `cond ? *ptr : param`
+// was once merged into one load through a parameter-space address).
+__device__ __forceinline__ u32 ld_volatile_u32(u64 addr) {
+    u32 v;
+    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void red_release_add_u64(u64* p, u64 v) {
+    asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ u64 globaltimer_ns() {
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

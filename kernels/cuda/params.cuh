@@ -60,6 +60,13 @@ constexpr u32 kFlagTokenFromArgmax = 1u;
 // Test hook: the last CTA skips its arrival at the first barrier, a real
 // hang that every other spin-wait must turn into an error.
 constexpr u32 kFlagDebugHang = 2u;
+// Barrier variant: arrive with atom.add.release.gpu and poll with
+// ld.acquire.gpu only (no __threadfence pair). Measured against the default.
+constexpr u32 kFlagBarrierRelAcq = 4u;
+// Profiling: bits kSkipShift.. skip phases (qkv, attention, o_proj, gate_up,
+// down, lm_head) while keeping every barrier; time(full) - time(skip X)
+// is what X costs. Results are garbage in these runs.
+constexpr u32 kSkipShift = 8u;
 
 // Grid-barrier state, device memory; the host zeroes it on reset and after any
 // error. Barrier k of a launch waits for arrived >= base + (k+1) * gridDim.x.

@@ -72,6 +72,18 @@ __device__ __forceinline__ u32 chunk_first_layer(u32 c) {
     }
 }
 
+// chunks[c] with constant indices only: the parameter block is never
+// indexed at run time (that would force a local copy of it, or generic
+// addressing of the parameter space).
+template <class T, u32 C = 0>
+__device__ __forceinline__ u64 chunk_base(const u64 (&chunks)[QMK_MAX_CHUNKS], u32 c) {
+    if constexpr (C + 1 >= T::kChunks) {
+        return chunks[C];
+    } else {
+        return c == C ? chunks[C] : chunk_base<T, C + 1>(chunks, c);
+    }
+}
+
 // A layer's slice of a stacked tensor: its chunk base and the layer's index
 // inside the chunk. Rows are then addressed with row() in koff_t.
 template <class T>
@@ -81,7 +93,7 @@ struct LayerView {
 
     __device__ __forceinline__ LayerView(const u64 (&chunks)[QMK_MAX_CHUNKS], u32 layer) {
         const u32 c = chunk_of<T>(layer);
-        base = reinterpret_cast<const char*>(chunks[c]);
+        base = reinterpret_cast<const char*>(chunk_base<T>(chunks, c));
         li = (koff_t)(layer - chunk_first_layer<T>(c));
     }
     // Row n of a rank-3 tensor [L, N, K]: the whole offset in koff_t. The

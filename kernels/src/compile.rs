@@ -178,7 +178,9 @@ pub fn default_cache_dir() -> Option<PathBuf> {
 /// passed so a future `#include <cuda_bf16.h>` works with the pip layout.
 pub fn include_dirs() -> Vec<PathBuf> {
     match std::env::var_os("QMK_CUDA_INCLUDE") {
-        Some(v) => std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()).collect(),
+        Some(v) => std::env::split_paths(&v)
+            .filter(|p| !p.as_os_str().is_empty())
+            .collect(),
         None => {
             let p = PathBuf::from("/usr/local/cuda/include");
             if p.is_dir() {
@@ -231,6 +233,8 @@ impl Compiler {
             // A device-only translation unit: unannotated constexpr helpers
             // (the plan header's) are device functions too.
             "-default-device".to_string(),
+            // Source lines in compute-sanitizer / profiler reports; no cost.
+            "--generate-line-info".to_string(),
         ];
         for d in &self.include_dirs {
             o.push(format!("--include-path={}", d.display()));
@@ -243,7 +247,8 @@ impl Compiler {
     pub fn cache_key(&self, build: &KernelBuild, arch: Arch) -> String {
         let mut h = Sha256::new();
         h.update(concat!("qmk-kernels ", env!("CARGO_PKG_VERSION")).as_bytes());
-        for (name, text) in std::iter::once((source::MAIN.0, source::MAIN.1)).chain(build.headers()) {
+        for (name, text) in std::iter::once((source::MAIN.0, source::MAIN.1)).chain(build.headers())
+        {
             h.update(name.as_bytes());
             h.update((text.len() as u64).to_le_bytes());
             h.update(text.as_bytes());
@@ -337,7 +342,10 @@ mod tests {
         assert_eq!(r.len(), 1);
         assert_eq!(r[0].function, "qmk_decode_step");
         assert_eq!(r[0].registers, 78);
-        assert_eq!((r[0].stack_bytes, r[0].spill_stores, r[0].spill_loads), (8, 4, 12));
+        assert_eq!(
+            (r[0].stack_bytes, r[0].spill_stores, r[0].spill_loads),
+            (8, 4, 12)
+        );
         assert_eq!(r[0].smem_bytes, 208);
     }
 }

@@ -47,10 +47,22 @@ pub enum KernelsError {
     },
     /// The model crate refused the config (validation, inventory, plan).
     #[error(transparent)]
-    Model(#[from] qmk_model::ModelError),
+    Model(Box<qmk_model::ModelError>),
     /// The layout crate refused the plan (header rendering).
     #[error(transparent)]
-    Layout(#[from] qmk_layout::LayoutError),
+    Layout(Box<qmk_layout::LayoutError>),
+}
+
+impl From<qmk_model::ModelError> for KernelsError {
+    fn from(e: qmk_model::ModelError) -> Self {
+        KernelsError::Model(Box::new(e))
+    }
+}
+
+impl From<qmk_layout::LayoutError> for KernelsError {
+    fn from(e: qmk_layout::LayoutError) -> Self {
+        KernelsError::Layout(Box::new(e))
+    }
 }
 
 pub type Result<T, E = KernelsError> = std::result::Result<T, E>;

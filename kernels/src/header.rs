@@ -72,13 +72,34 @@ impl KernelBuild {
         let q = dim("q_dim", config.q_dim())?;
         let kv = dim("kv_dim", config.kv_dim())?;
         // 16-byte weight loads cover whole rows; lanes cover whole heads.
-        need(h % 8 == 0, "hidden_size", format!("{h} is not a multiple of 8"))?;
-        need(i % 8 == 0, "intermediate_size", format!("{i} is not a multiple of 8"))?;
+        need(
+            h % 8 == 0,
+            "hidden_size",
+            format!("{h} is not a multiple of 8"),
+        )?;
+        need(
+            i % 8 == 0,
+            "intermediate_size",
+            format!("{i} is not a multiple of 8"),
+        )?;
         need(q % 8 == 0, "q_dim", format!("{q} is not a multiple of 8"))?;
-        need(d % 32 == 0, "head_dim", format!("{d} is not a multiple of 32"))?;
-        need(heads % kvh == 0, "num_key_value_heads", format!("{kvh} does not divide {heads} heads"))?;
-        need(v.checked_mul(h).and_then(|x| x.checked_mul(2)).is_some_and(|b| b <= 1 << 32),
-            "vocab_size", format!("the [{v}, {h}] bf16 table exceeds the 32-bit row offsets"))?;
+        need(
+            d % 32 == 0,
+            "head_dim",
+            format!("{d} is not a multiple of 32"),
+        )?;
+        need(
+            heads % kvh == 0,
+            "num_key_value_heads",
+            format!("{kvh} does not divide {heads} heads"),
+        )?;
+        need(
+            v.checked_mul(h)
+                .and_then(|x| x.checked_mul(2))
+                .is_some_and(|b| b <= 1 << 32),
+            "vocab_size",
+            format!("the [{v}, {h}] bf16 table exceeds the 32-bit row offsets"),
+        )?;
 
         for name in KERNEL_TENSORS {
             let t = plan.tensor(name);

@@ -17,11 +17,14 @@
 mod compile;
 mod error;
 mod header;
+pub mod host;
 pub mod nvrtc;
 pub mod params;
 pub mod source;
 
-pub use compile::{default_cache_dir, include_dirs, parse_ptxas_log, Arch, Compiler, Cubin, Resources};
+pub use compile::{
+    default_cache_dir, include_dirs, parse_ptxas_log, Arch, Compiler, Cubin, Resources,
+};
 pub use error::{KernelsError, Result};
 pub use header::{KernelBuild, WARPS_PER_CTA};
 pub use nvrtc::Nvrtc;

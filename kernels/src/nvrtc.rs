@@ -247,7 +247,9 @@ impl Nvrtc {
         let code = unsafe { (self.compile)(prog, op.len() as c_int, op.as_ptr()) };
         let mut n = 0usize;
         // SAFETY: prog is live; out-pointers valid; buffer sized by NVRTC.
-        self.check("nvrtcGetProgramLogSize", unsafe { (self.log_size)(prog, &mut n) })?;
+        self.check("nvrtcGetProgramLogSize", unsafe {
+            (self.log_size)(prog, &mut n)
+        })?;
         let mut buf = vec![0u8; n.max(1)];
         self.check("nvrtcGetProgramLog", unsafe {
             (self.log)(prog, buf.as_mut_ptr().cast())
@@ -262,7 +264,9 @@ impl Nvrtc {
             });
         }
         let mut size = 0usize;
-        self.check("nvrtcGetCUBINSize", unsafe { (self.cubin_size)(prog, &mut size) })?;
+        self.check("nvrtcGetCUBINSize", unsafe {
+            (self.cubin_size)(prog, &mut size)
+        })?;
         let mut cubin = vec![0u8; size];
         self.check("nvrtcGetCUBIN", unsafe {
             (self.cubin)(prog, cubin.as_mut_ptr().cast())

@@ -22,6 +22,15 @@ pub const FLAG_TOKEN_FROM_ARGMAX: u32 = 1;
 /// error).
 pub const FLAG_DEBUG_HANG: u32 = 2;
 
+/// [`KernelParams::flags`]: grid barrier with `red.release` / `ld.acquire`
+/// instead of `__threadfence` + `atomicAdd` (an experiment; see NOTES.md).
+pub const FLAG_BARRIER_RELACQ: u32 = 4;
+
+/// [`KernelParams::flags`], profiling: `(mask << SKIP_SHIFT)` skips phases
+/// (bit 0 qkv, 1 attention, 2 o_proj, 3 gate/up, 4 down, 5 lm_head) and keeps
+/// every barrier. The results of such a step are meaningless.
+pub const SKIP_SHIFT: u32 = 8;
+
 /// Megakernel parameters (`qmk::Params`). Device addresses are `u64`.
 /// L layers, H hidden, Q = heads * D, KV = kv_heads * D, I intermediate,
 /// V vocab, C KV capacity.
@@ -200,28 +209,102 @@ pub fn params_check_header() -> String {
         "static_assert(QMK_MAX_CHUNKS == {MAX_CHUNKS}, \"QMK_MAX_CHUNKS differs from Rust MAX_CHUNKS\");\n"
     ));
     out.push_str(&format!(
-        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u, \"flags differ\");\n"
+        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagBarrierRelAcq == {FLAG_BARRIER_RELACQ}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n"
     ));
     out.push_str(&format!(
         "static_assert(qmk::kErrBarrierTimeout == {}u && qmk::kErrAborted == {}u && qmk::kErrBadToken == {}u && qmk::kErrBadPos == {}u, \"error codes differ\");\n",
         err::BARRIER_TIMEOUT, err::ABORTED, err::BAD_TOKEN, err::BAD_POS
     ));
-    check_struct!(out, "qmk::Params", "Params", KernelParams, [
-        embed_tokens[0], lm_head[0], input_layernorm[0], q_proj[0], q_bias[0], k_proj[0],
-        k_bias[0], v_proj[0], v_bias[0], o_proj[0], post_attention_layernorm[0], gate_proj[0],
-        up_proj[0], down_proj[0], norm[0], k_cache, v_cache, rope_cos, rope_sin, x, q, attn,
-        mlp_h, logits, partial_val, partial_idx, argmax_out, sync, status, spin_timeout_ns,
-        token, pos, kv_capacity, flags, rms_norm_eps, reserved,
-    ]);
-    check_struct!(out, "qmk::SyncState", "SyncState", SyncState, [arrived, base, error_claim, reserved[0]]);
-    check_struct!(out, "qmk::HostStatus", "HostStatus", HostStatus, [
-        abort, error, phase, layer, cta, barriers, argmax, done,
-    ]);
-    check_struct!(out, "qmk::ProbeParams", "ProbeParams", ProbeParams, [
-        chunk_base[0], out, chunk_start[0], num_chunks, layers, rows, cols, stride0, stride1, stride2,
-    ]);
-    check_struct!(out, "qmk::ProbeFillParams", "ProbeFillParams", ProbeFillParams, [base, n_vec16, layer_vecs]);
-    check_struct!(out, "qmk::StreamParams", "StreamParams", StreamParams, [src, n_vec16, out]);
+    check_struct!(
+        out,
+        "qmk::Params",
+        "Params",
+        KernelParams,
+        [
+            embed_tokens[0],
+            lm_head[0],
+            input_layernorm[0],
+            q_proj[0],
+            q_bias[0],
+            k_proj[0],
+            k_bias[0],
+            v_proj[0],
+            v_bias[0],
+            o_proj[0],
+            post_attention_layernorm[0],
+            gate_proj[0],
+            up_proj[0],
+            down_proj[0],
+            norm[0],
+            k_cache,
+            v_cache,
+            rope_cos,
+            rope_sin,
+            x,
+            q,
+            attn,
+            mlp_h,
+            logits,
+            partial_val,
+            partial_idx,
+            argmax_out,
+            sync,
+            status,
+            spin_timeout_ns,
+            token,
+            pos,
+            kv_capacity,
+            flags,
+            rms_norm_eps,
+            reserved,
+        ]
+    );
+    check_struct!(
+        out,
+        "qmk::SyncState",
+        "SyncState",
+        SyncState,
+        [arrived, base, error_claim, reserved[0]]
+    );
+    check_struct!(
+        out,
+        "qmk::HostStatus",
+        "HostStatus",
+        HostStatus,
+        [abort, error, phase, layer, cta, barriers, argmax, done,]
+    );
+    check_struct!(
+        out,
+        "qmk::ProbeParams",
+        "ProbeParams",
+        ProbeParams,
+        [
+            chunk_base[0],
+            out,
+            chunk_start[0],
+            num_chunks,
+            layers,
+            rows,
+            cols,
+            stride0,
+            stride1,
+            stride2,
+        ]
+    );
+    check_struct!(
+        out,
+        "qmk::ProbeFillParams",
+        "ProbeFillParams",
+        ProbeFillParams,
+        [base, n_vec16, layer_vecs]
+    );
+    check_struct!(
+        out,
+        "qmk::StreamParams",
+        "StreamParams",
+        StreamParams,
+        [src, n_vec16, out]
+    );
     out
 }
 
@@ -275,7 +358,10 @@ mod tests {
 
     #[test]
     fn sizes_are_what_the_cuda_twin_expects() {
-        assert_eq!(size_of::<KernelParams>(), 15 * MAX_CHUNKS * 8 + 15 * 8 + 6 * 4);
+        assert_eq!(
+            size_of::<KernelParams>(),
+            15 * MAX_CHUNKS * 8 + 15 * 8 + 6 * 4
+        );
         assert_eq!(size_of::<SyncState>(), 32);
         assert_eq!(size_of::<HostStatus>(), 32);
         // Kernel parameters must stay under the 4 KiB launch limit.

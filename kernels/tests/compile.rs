@@ -68,7 +68,10 @@ fn cache_hits_on_the_second_compile() {
     assert_eq!(a.bytes, b.bytes);
     assert_eq!(a.resources(), b.resources());
     // A different arch is a different key.
-    assert_ne!(c.cache_key(&build, Arch::SM80), c.cache_key(&build, Arch::SM90));
+    assert_ne!(
+        c.cache_key(&build, Arch::SM80),
+        c.cache_key(&build, Arch::SM90)
+    );
 }
 
 #[test]
@@ -77,10 +80,9 @@ fn a_broken_plan_fails_to_compile_with_the_tensor_named() {
     let config = Config::preset("0.5b").unwrap();
     let mut build = KernelBuild::new(&config).unwrap();
     // A parameter block that disagrees with the C++ twin must not compile.
-    build.params_check = build.params_check.replace(
-        "qmk_off_Params_pos() == ",
-        "qmk_off_Params_pos() == 4 + ",
-    );
+    build.params_check = build
+        .params_check
+        .replace("qmk_off_Params_pos() == ", "qmk_off_Params_pos() == 4 + ");
     let err = c.compile(&build, Arch::SM90).unwrap_err().to_string();
     assert!(err.contains("qmk::Params::pos"), "{err}");
 }

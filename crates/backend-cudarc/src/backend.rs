@@ -10,14 +10,14 @@ use half::bf16;
 use qmk_engine::{Backend, BackendKind, StepOutput};
 use qmk_kernels::params::{err, phase_name};
 use qmk_kernels::{
-    source::entry, Arch, Compiler, Cubin, HostStatus, KernelBuild, KernelParams, Resources,
-    SyncState, THREADS_PER_CTA,
+    source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, Resources, SyncState,
+    THREADS_PER_CTA,
 };
 use qmk_model::{Config, WeightKind, Weights};
 
 use crate::device::{device_info, DeviceInfo};
 use crate::error::{is_sticky, Error, Result};
-use crate::mem::{DeviceBuffer, MappedHost};
+use crate::mem::{DeviceBuffer, StatusBlock};
 
 /// How a [`CudarcBackend`] is set up.
 #[derive(Debug, Clone)]
@@ -73,15 +73,6 @@ pub struct LaunchInfo {
     pub registers: u32,
 }
 
-/// Index of each HostStatus field, as u32 words.
-const ST_ABORT: usize = 0;
-const ST_ERROR: usize = 1;
-const ST_PHASE: usize = 2;
-const ST_LAYER: usize = 3;
-const ST_CTA: usize = 4;
-const ST_BARRIERS: usize = 5;
-const ST_ARGMAX: usize = 6;
-
 pub(crate) struct Functions {
     pub step: sys::CUfunction,
     pub stream_read: sys::CUfunction,
@@ -105,8 +96,9 @@ pub struct CudarcBackend {
     pub(crate) dead: Option<String>,
     pub(crate) needs_reset: Option<String>,
     pub(crate) debug_flags: u32,
+    pub(crate) last_argmax: u32,
     pub(crate) opts: Options,
-    pub(crate) status: MappedHost,
+    pub(crate) status: StatusBlock,
     pub(crate) sync: DeviceBuffer,
     pub(crate) logits: DeviceBuffer,
     pub(crate) weight_bytes: u64,
@@ -129,7 +121,8 @@ fn drv(call: &'static str) -> impl FnOnce(DriverError) -> Error {
 }
 
 fn checked_mul(a: u64, b: u64, what: &str) -> Result<u64> {
-    a.checked_mul(b).ok_or_else(|| Error::Overflow(what.to_string()))
+    a.checked_mul(b)
+        .ok_or_else(|| Error::Overflow(what.to_string()))
 }
 
 fn kind_of(name: &str) -> Option<WeightKind> {
@@ -201,7 +194,8 @@ impl CudarcBackend {
             let mut found = [0u64];
             if size == 8 {
                 // SAFETY: 8 bytes at ptr.
-                unsafe { result::memcpy_dtoh_sync(&mut found, ptr) }.map_err(drv("cuMemcpyDtoH"))?;
+                unsafe { result::memcpy_dtoh_sync(&mut found, ptr) }
+                    .map_err(drv("cuMemcpyDtoH"))?;
             }
             if found[0] != build.fingerprint {
                 return Err(Error::Fingerprint {
@@ -239,7 +233,9 @@ impl CudarcBackend {
                 ),
             });
         }
-        let per_sm = opts.ctas_per_sm.map_or(occ as u32, |c| c.clamp(1, occ as u32));
+        let per_sm = opts
+            .ctas_per_sm
+            .map_or(occ as u32, |c| c.clamp(1, occ as u32));
         // SAFETY: valid function handle.
         let registers = unsafe {
             result::function::get_function_attribute(
@@ -275,8 +271,12 @@ impl CudarcBackend {
         let half = config.head_dim() as u64 / 2;
         let rope_bytes = checked_mul(checked_mul(cap, half, "rope table")?, 4, "rope table")?;
         let wb = qmk_model::weight_bytes(&config)?;
-        let scratch = 4 * (h + 2 * config.q_dim() as u64 + config.intermediate_size as u64
-            + config.vocab_size as u64 + 2 * launch.grid as u64 + 64);
+        let scratch = 4
+            * (h + 2 * config.q_dim() as u64
+                + config.intermediate_size as u64
+                + config.vocab_size as u64
+                + 2 * launch.grid as u64
+                + 64);
         let needed = [wb.total.0, 2 * kv_bytes, 2 * rope_bytes, scratch]
             .iter()
             .try_fold(0u64, |a, &b| a.checked_add(b))
@@ -285,7 +285,10 @@ impl CudarcBackend {
             return Err(Error::OutOfMemory {
                 what: format!(
                     "{} weights + a {}-position KV cache ({} B weights, {} B KV)",
-                    config.model_type, cap, wb.total.0, 2 * kv_bytes
+                    config.model_type,
+                    cap,
+                    wb.total.0,
+                    2 * kv_bytes
                 ),
                 needed,
                 available: info.free_mem,
@@ -311,7 +314,11 @@ impl CudarcBackend {
             if host.len() as u64 != elems {
                 return Err(Error::Weights {
                     tensor: name.into(),
-                    reason: format!("{} elements, the layout {} needs {elems}", host.len(), t.spec.layout),
+                    reason: format!(
+                        "{} elements, the layout {} needs {elems}",
+                        host.len(),
+                        t.spec.layout
+                    ),
                 });
             }
             let Some(slots) = params.chunks_mut(name) else {
@@ -320,12 +327,13 @@ impl CudarcBackend {
             for (c, chunk) in t.chunks.iter().enumerate() {
                 let off = t.chunk_byte_offset(c)?.0 / 2;
                 let len = chunk.byte_span.0 / 2;
-                let end = off.checked_add(len).filter(|&e| e <= elems).ok_or_else(|| {
-                    Error::Weights {
+                let end = off
+                    .checked_add(len)
+                    .filter(|&e| e <= elems)
+                    .ok_or_else(|| Error::Weights {
                         tensor: name.into(),
                         reason: format!("chunk {c} runs past the tensor"),
-                    }
-                })?;
+                    })?;
                 let src: &[bf16] = &host[off as usize..end as usize];
                 let buf = DeviceBuffer::alloc(chunk.byte_span.0, &format!("{name} chunk {c}"))?;
                 const PIECE: usize = 64 << 20; // elements per copy, for progress
@@ -347,7 +355,8 @@ impl CudarcBackend {
         // KV cache, rope table, scratch.
         let k_cache = DeviceBuffer::zeroed(kv_bytes, "K cache")?;
         let v_cache = DeviceBuffer::zeroed(kv_bytes, "V cache")?;
-        let rope = qmk_model::reference::Rope::new(config.head_dim(), config.rope_theta, opts.capacity);
+        let rope =
+            qmk_model::reference::Rope::new(config.head_dim(), config.rope_theta, opts.capacity);
         let cos = DeviceBuffer::alloc(rope_bytes, "rope cos")?;
         let sin = DeviceBuffer::alloc(rope_bytes, "rope sin")?;
         // SAFETY: each buffer holds rope_bytes = cap * half * 4 bytes.
@@ -363,7 +372,7 @@ impl CudarcBackend {
         let pidx = f32s(launch.grid as usize, "partial_idx")?;
         let argmax = DeviceBuffer::zeroed(16, "argmax")?;
         let sync = DeviceBuffer::zeroed(std::mem::size_of::<SyncState>() as u64, "sync")?;
-        let status = MappedHost::alloc(std::mem::size_of::<HostStatus>())?;
+        let status = StatusBlock::new()?;
 
         params.k_cache = k_cache.ptr;
         params.v_cache = v_cache.ptr;
@@ -378,11 +387,13 @@ impl CudarcBackend {
         params.partial_idx = pidx.ptr;
         params.argmax_out = argmax.ptr;
         params.sync = sync.ptr;
-        params.status = status.device;
+        params.status = status.device_ptr();
         params.spin_timeout_ns = opts.spin_timeout.as_nanos().min(u64::MAX as u128) as u64;
         params.kv_capacity = opts.capacity as u32;
         params.rms_norm_eps = config.rms_norm_eps as f32;
-        buffers.extend([k_cache, v_cache, cos, sin, x, q, attn, mlp_h, pval, pidx, argmax]);
+        buffers.extend([
+            k_cache, v_cache, cos, sin, x, q, attn, mlp_h, pval, pidx, argmax,
+        ]);
 
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
             .map_err(drv("cuStreamCreate"))?;
@@ -401,6 +412,7 @@ impl CudarcBackend {
             dead: None,
             needs_reset: None,
             debug_flags: 0,
+            last_argmax: 0,
             opts,
             status,
             sync,
@@ -433,8 +445,9 @@ impl CudarcBackend {
         self.info.arch
     }
     /// Grid barriers the last completed step passed (reported by the kernel).
-    pub fn barriers_last_step(&self) -> u32 {
-        self.status.read_u32(ST_BARRIERS)
+    pub fn barriers_last_step(&mut self) -> Result<u32> {
+        self.usable()?;
+        Ok(self.status.read()?.barriers)
     }
     /// Changes the kernel's spin-wait budget (tests use a tiny one to force
     /// a barrier timeout).
@@ -445,7 +458,11 @@ impl CudarcBackend {
     /// barrier (one CTA never arrives), to exercise the bounded waits.
     #[doc(hidden)]
     pub fn set_debug_hang(&mut self, on: bool) {
-        self.debug_flags = if on { qmk_kernels::params::FLAG_DEBUG_HANG } else { 0 };
+        self.debug_flags = if on {
+            qmk_kernels::params::FLAG_DEBUG_HANG
+        } else {
+            0
+        };
     }
     /// Changes the host deadline of one step.
     pub fn set_step_deadline(&mut self, t: Duration) {
@@ -461,6 +478,18 @@ impl CudarcBackend {
             return Err(Error::NeedsReset(r.clone()));
         }
         Ok(())
+    }
+
+    /// Marks the engine unusable if `e` is a sticky CUDA error.
+    pub(crate) fn mark(&mut self, e: Error) -> Error {
+        let e = match e {
+            Error::Driver { call, source } => drv(call)(source),
+            e => e,
+        };
+        if let Error::Unusable { reason } = &e {
+            self.dead = Some(reason.clone());
+        }
+        e
     }
 
     /// Maps a driver failure; a sticky one marks the engine unusable.
@@ -498,7 +527,10 @@ impl CudarcBackend {
             if e.0 as i32 == 720 {
                 Error::Launch {
                     device: self.info.name.clone(),
-                    reason: format!("grid of {} CTAs is too large for a cooperative launch", self.launch.grid),
+                    reason: format!(
+                        "grid of {} CTAs is too large for a cooperative launch",
+                        self.launch.grid
+                    ),
                 }
             } else {
                 self.fail("cuLaunchCooperativeKernel", e)
@@ -532,7 +564,7 @@ impl CudarcBackend {
             }
             let el = t0.elapsed();
             if !aborted && el > deadline {
-                self.status.write_u32(ST_ABORT, 1);
+                self.status.set_abort(1)?;
                 aborted = true;
             }
             if aborted && el > deadline + Duration::from_secs(10) {
@@ -553,7 +585,7 @@ impl CudarcBackend {
             }
         }
         if aborted {
-            self.status.write_u32(ST_ABORT, 0);
+            self.status.set_abort(0)?;
             let detail = match self.kernel_status() {
                 Err(e) => format!("the kernel stopped on the abort flag: {e}"),
                 Ok(()) => "the kernel finished just after the deadline".to_string(),
@@ -570,16 +602,17 @@ impl CudarcBackend {
     /// Reads the kernel's error report; on an error, clears the barrier
     /// state and requires a reset.
     fn kernel_status(&mut self) -> Result<()> {
-        let code = self.status.read_u32(ST_ERROR);
-        if code == err::NONE {
+        let st = self.status.read().map_err(|e| self.mark(e))?;
+        if st.error == err::NONE {
+            self.last_argmax = st.argmax;
             return Ok(());
         }
         let e = Error::Kernel {
-            code,
-            what: err::name(code),
-            phase: phase_name(self.status.read_u32(ST_PHASE)),
-            layer: self.status.read_u32(ST_LAYER),
-            cta: self.status.read_u32(ST_CTA),
+            code: st.error,
+            what: err::name(st.error),
+            phase: phase_name(st.phase),
+            layer: st.layer,
+            cta: st.cta,
         };
         self.clear_kernel_state()?;
         self.needs_reset = Some(e.to_string());
@@ -588,12 +621,12 @@ impl CudarcBackend {
 
     fn clear_kernel_state(&mut self) -> Result<()> {
         // SAFETY: sync holds a SyncState; the kernel is not running.
+        // Then synchronise: the legacy-stream memset is not ordered before
+        // launches on our non-blocking stream.
         unsafe { result::memset_d8_sync(self.sync.ptr, 0, self.sync.bytes as usize) }
+            .and_then(|_| result::ctx::synchronize())
             .map_err(|e| self.fail("cuMemsetD8", e))?;
-        for i in 0..8 {
-            self.status.write_u32(i, 0);
-        }
-        Ok(())
+        self.status.clear().map_err(|e| self.mark(e))
     }
 
     fn check_inputs(&self, token: u32, pos: usize) -> Result<()> {
@@ -644,7 +677,7 @@ impl Backend for CudarcBackend {
         r?;
         self.next_pos = pos + 1;
         Ok(StepOutput {
-            argmax: self.status.read_u32(ST_ARGMAX),
+            argmax: self.last_argmax,
         })
     }
 

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use cudarc::driver::{result, sys};
 use qmk_engine::Backend;
+use qmk_kernels::params::{FLAG_BARRIER_RELACQ, SKIP_SHIFT};
 use qmk_kernels::{StreamParams, FLAG_TOKEN_FROM_ARGMAX, THREADS_PER_CTA};
 
 use crate::backend::CudarcBackend;
@@ -105,6 +106,7 @@ impl CudarcBackend {
         let buf = DeviceBuffer::alloc(bytes, "stream buffer")?;
         // SAFETY: buf holds `bytes` bytes. Never time zeros: 0xA5 pattern.
         unsafe { result::memset_d8_sync(buf.ptr, 0xA5, bytes as usize) }
+            .and_then(|_| result::ctx::synchronize())
             .map_err(|e| self.fail("cuMemsetD8", e))?;
         // SAFETY: valid function handle.
         let occ = unsafe {
@@ -162,10 +164,16 @@ impl CudarcBackend {
         Ok(bytes as f64 / (ms * 1e-3) / 1e9)
     }
 
-    /// Greedy decode of `warmup + steps` positions back to back (the kernel
-    /// feeds its own pick to the next step on the device), timed per step
-    /// with events, then the floor. Resets the engine before and after.
-    pub fn bench(&mut self, opts: &BenchOptions) -> Result<BenchReport> {
+    /// Per-step times (us) of the timed steps of one back-to-back run.
+    /// `greedy`: the kernel feeds its own pick forward; else the token is
+    /// fixed (profiling variants compute garbage, whose argmax may be no
+    /// token at all).
+    fn time_steps(
+        &mut self,
+        opts: &BenchOptions,
+        extra_flags: u32,
+        greedy: bool,
+    ) -> Result<Vec<f64>> {
         let total = opts.warmup + opts.steps;
         if opts.steps == 0 || total > self.capacity {
             return Err(Error::Option {
@@ -183,7 +191,10 @@ impl CudarcBackend {
         let run = (|| -> Result<Vec<f64>> {
             self.record(evs[0])?;
             for pos in 0..total {
-                let flags = if pos == 0 { 0 } else { FLAG_TOKEN_FROM_ARGMAX };
+                let mut flags = extra_flags;
+                if greedy && pos > 0 {
+                    flags |= FLAG_TOKEN_FROM_ARGMAX;
+                }
                 self.launch_step(opts.first_token, pos, flags)?;
                 self.record(evs[pos + 1])?;
             }
@@ -199,8 +210,42 @@ impl CudarcBackend {
             // SAFETY: live events, no longer used.
             let _ = unsafe { result::event::destroy(ev) };
         }
-        let mut us = run?;
-        let barriers = self.barriers_last_step();
+        run
+    }
+
+    /// Where the time goes: the median step time of the full kernel, of
+    /// the barriers alone, and with each phase skipped (every barrier kept),
+    /// plus the rel/acq barrier variant. Resets the engine after.
+    pub fn bench_profile(&mut self, opts: &BenchOptions) -> Result<Vec<(String, f64)>> {
+        let all = 63 << SKIP_SHIFT;
+        let variants: [(&str, u32); 10] = [
+            ("full", 0),
+            ("barriers only", all),
+            ("skip qkv_proj", 1 << SKIP_SHIFT),
+            ("skip attention", 2 << SKIP_SHIFT),
+            ("skip o_proj", 4 << SKIP_SHIFT),
+            ("skip mlp gate/up", 8 << SKIP_SHIFT),
+            ("skip mlp down", 16 << SKIP_SHIFT),
+            ("skip lm_head", 32 << SKIP_SHIFT),
+            ("full, rel/acq barrier", FLAG_BARRIER_RELACQ),
+            ("barriers only, rel/acq", all | FLAG_BARRIER_RELACQ),
+        ];
+        let mut out = Vec::new();
+        for (name, flags) in variants {
+            let mut t = self.time_steps(opts, flags, false)?;
+            out.push((name.to_string(), median(&mut t)));
+        }
+        self.reset()?;
+        Ok(out)
+    }
+
+    /// Greedy decode of `warmup + steps` positions back to back (the kernel
+    /// feeds its own pick to the next step on the device), timed per step
+    /// with events, then the floor. Resets the engine before and after.
+    pub fn bench(&mut self, opts: &BenchOptions) -> Result<BenchReport> {
+        let total = opts.warmup + opts.steps;
+        let mut us = self.time_steps(opts, 0, true)?;
+        let barriers = self.barriers_last_step()?;
         self.reset()?;
         let us_med = median(&mut us);
         let (p10, p90) = (pct(&us, 0.1), pct(&us, 0.9));
@@ -208,7 +253,9 @@ impl CudarcBackend {
         // Bytes: weights of one step + the mean KV traffic of the timed steps.
         let c = &self.config;
         let kv_row = 2 * c.kv_dim() as u64 * c.num_hidden_layers as u64 * 2; // K and V, bf16
-        let kv_total: u64 = (opts.warmup..total).map(|p| kv_row * (p as u64 + 1) + kv_row).sum();
+        let kv_total: u64 = (opts.warmup..total)
+            .map(|p| kv_row * (p as u64 + 1) + kv_row)
+            .sum();
         let bytes_per_step = self.weight_bytes + kv_total / opts.steps as u64;
 
         let floor_gbps = self.stream_bandwidth(opts.stream_bytes, opts.stream_reps)?;

@@ -6,7 +6,9 @@ use cudarc::driver::DriverError;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// libcuda could not be loaded: no NVIDIA driver on this machine.
-    #[error("no CUDA driver: libcuda.so.1 could not be loaded (is an NVIDIA GPU and driver installed?)")]
+    #[error(
+        "no CUDA driver: libcuda.so.1 could not be loaded (is an NVIDIA GPU and driver installed?)"
+    )]
     NoDriver,
     /// The driver loaded but reports no device.
     #[error("no CUDA device: the driver reports zero GPUs")]
@@ -22,7 +24,9 @@ pub enum Error {
         source: DriverError,
     },
     /// A sticky CUDA error: the context is corrupt; this engine is unusable.
-    #[error("the engine is unusable after a sticky CUDA error ({reason}); create a new process/engine")]
+    #[error(
+        "the engine is unusable after a sticky CUDA error ({reason}); create a new process/engine"
+    )]
     Unusable { reason: String },
     /// Not enough free device memory.
     #[error("not enough GPU memory for {what}: need {needed} bytes, {available} bytes free")]
@@ -43,7 +47,9 @@ pub enum Error {
     #[error("the cubin was built for another model or kernel version (fingerprint {found:#x}, expected {expected:#x}); recompile it for this config")]
     Fingerprint { expected: u64, found: u64 },
     /// The kernel needs more shared memory than the device allows.
-    #[error("the megakernel needs {needed} bytes of shared memory per CTA; {device} allows {available}")]
+    #[error(
+        "the megakernel needs {needed} bytes of shared memory per CTA; {device} allows {available}"
+    )]
     SharedMemory {
         needed: u32,
         available: u32,
@@ -82,17 +88,39 @@ pub enum Error {
     /// Size arithmetic overflowed.
     #[error("size of {0} overflows")]
     Overflow(String),
+    /// Compiling or loading the kernel (NVRTC missing, compile error, ...).
     #[error(transparent)]
-    Kernels(#[from] qmk_kernels::KernelsError),
+    Kernels(Box<qmk_kernels::KernelsError>),
     #[error(transparent)]
-    Model(#[from] qmk_model::ModelError),
+    Model(Box<qmk_model::ModelError>),
     #[error(transparent)]
-    Layout(#[from] qmk_layout::LayoutError),
+    Layout(Box<qmk_layout::LayoutError>),
+}
+
+impl From<qmk_kernels::KernelsError> for Error {
+    fn from(e: qmk_kernels::KernelsError) -> Self {
+        Error::Kernels(Box::new(e))
+    }
+}
+
+impl From<qmk_model::ModelError> for Error {
+    fn from(e: qmk_model::ModelError) -> Self {
+        Error::Model(Box::new(e))
+    }
+}
+
+impl From<qmk_layout::LayoutError> for Error {
+    fn from(e: qmk_layout::LayoutError) -> Self {
+        Error::Layout(Box::new(e))
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// CUDA errors after which the context cannot be used again.
 pub fn is_sticky(e: &DriverError) -> bool {
-    matches!(e.0 as i32, 214 | 700 | 702 | 714 | 715 | 716 | 717 | 718 | 719 | 999)
+    matches!(
+        e.0 as i32,
+        214 | 700 | 702 | 714 | 715 | 716 | 717 | 718 | 719 | 999
+    )
 }

@@ -34,13 +34,15 @@ impl DeviceBuffer {
 
     pub fn zeroed(bytes: u64, what: &str) -> Result<DeviceBuffer> {
         let b = Self::alloc(bytes, what)?;
-        // SAFETY: b.ptr holds b.bytes bytes.
-        unsafe { result::memset_d8_sync(b.ptr, 0, b.bytes.max(16) as usize) }.map_err(|source| {
-            Error::Driver {
+        // SAFETY: b.ptr holds b.bytes bytes. cuMemsetD8 is asynchronous on
+        // the legacy stream, which our non-blocking streams do not wait for:
+        // synchronise before anyone launches.
+        unsafe { result::memset_d8_sync(b.ptr, 0, b.bytes.max(16) as usize) }
+            .and_then(|_| result::ctx::synchronize())
+            .map_err(|source| Error::Driver {
                 call: "cuMemsetD8",
                 source,
-            }
-        })?;
+            })?;
         Ok(b)
     }
 }
@@ -115,3 +117,115 @@ impl Drop for MappedHost {
 
 // The raw pointer is only touched through volatile u32 accesses.
 unsafe impl Send for MappedHost {}
+
+/// Where the kernel's [`qmk_kernels::HostStatus`] lives.
+///
+/// Default: device memory. The host reads it with a 32-byte copy after the
+/// step and raises `abort` with an async copy on a separate stream (a copy
+/// engine runs it while the megakernel holds every SM). With
+/// `QMK_STATUS_MAPPED=1`: pinned host memory mapped into the device (no
+/// copies; needs working zero-copy access from the GPU).
+pub enum StatusBlock {
+    Mapped(MappedHost),
+    Device {
+        buf: DeviceBuffer,
+        staging: MappedHost,
+        ctrl: sys::CUstream,
+    },
+}
+
+impl StatusBlock {
+    pub fn new() -> Result<StatusBlock> {
+        let bytes = std::mem::size_of::<qmk_kernels::HostStatus>();
+        if std::env::var("QMK_STATUS_MAPPED").as_deref() == Ok("1") {
+            return Ok(StatusBlock::Mapped(MappedHost::alloc(bytes)?));
+        }
+        let buf = DeviceBuffer::zeroed(bytes as u64, "status block")?;
+        let staging = MappedHost::alloc(16)?;
+        let ctrl =
+            result::stream::create(result::stream::StreamKind::NonBlocking).map_err(|source| {
+                Error::Driver {
+                    call: "cuStreamCreate",
+                    source,
+                }
+            })?;
+        Ok(StatusBlock::Device { buf, staging, ctrl })
+    }
+
+    pub fn device_ptr(&self) -> u64 {
+        match self {
+            StatusBlock::Mapped(m) => m.device,
+            StatusBlock::Device { buf, .. } => buf.ptr,
+        }
+    }
+
+    /// The block as the kernel left it (call once the kernel has finished).
+    pub fn read(&self) -> Result<qmk_kernels::HostStatus> {
+        let mut words = [0u32; 8];
+        match self {
+            StatusBlock::Mapped(m) => {
+                for (i, w) in words.iter_mut().enumerate() {
+                    *w = m.read_u32(i);
+                }
+            }
+            // SAFETY: buf holds 32 bytes.
+            StatusBlock::Device { buf, .. } => unsafe {
+                result::memcpy_dtoh_sync(&mut words, buf.ptr)
+            }
+            .map_err(|source| Error::Driver {
+                call: "cuMemcpyDtoH (status)",
+                source,
+            })?,
+        }
+        Ok(bytemuck::cast(words))
+    }
+
+    /// Sets the abort flag while the kernel may be running.
+    pub fn set_abort(&self, v: u32) -> Result<()> {
+        match self {
+            StatusBlock::Mapped(m) => {
+                m.write_u32(0, v);
+                Ok(())
+            }
+            StatusBlock::Device { buf, staging, ctrl } => {
+                staging.write_u32(0, v);
+                // SAFETY: 4 pinned bytes to the abort word (offset 0) of buf.
+                unsafe { sys::cuMemcpyHtoDAsync_v2(buf.ptr, staging.host, 4, *ctrl) }
+                    .result()
+                    .and_then(|_| unsafe { result::stream::synchronize(*ctrl) })
+                    .map_err(|source| Error::Driver {
+                        call: "cuMemcpyHtoDAsync (abort flag)",
+                        source,
+                    })
+            }
+        }
+    }
+
+    /// Zeroes the block (the kernel is not running).
+    pub fn clear(&self) -> Result<()> {
+        match self {
+            StatusBlock::Mapped(m) => {
+                for i in 0..8 {
+                    m.write_u32(i, 0);
+                }
+                Ok(())
+            }
+            // SAFETY: buf holds 32 bytes.
+            StatusBlock::Device { buf, .. } => unsafe { result::memset_d8_sync(buf.ptr, 0, 32) }
+                .and_then(|_| result::ctx::synchronize())
+                .map_err(|source| Error::Driver {
+                    call: "cuMemsetD8 (status)",
+                    source,
+                }),
+        }
+    }
+}
+
+impl Drop for StatusBlock {
+    fn drop(&mut self) {
+        if let StatusBlock::Device { ctrl, .. } = self {
+            // SAFETY: created in new(), destroyed once.
+            let _ = unsafe { result::stream::destroy(*ctrl) };
+        }
+    }
+}

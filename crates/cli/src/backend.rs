@@ -11,6 +11,7 @@ trait ErasedBackend {
     fn kind(&self) -> BackendKind;
     fn capacity(&self) -> usize;
     fn step(&mut self, token: u32, pos: usize) -> Result<StepOutput, BoxError>;
+    fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<StepOutput, BoxError>;
     fn logits(&mut self) -> Result<Vec<f32>, BoxError>;
     fn reset(&mut self) -> Result<(), BoxError>;
 }
@@ -24,6 +25,9 @@ impl<B: Backend> ErasedBackend for B {
     }
     fn step(&mut self, token: u32, pos: usize) -> Result<StepOutput, BoxError> {
         Backend::step(self, token, pos).map_err(|e| Box::new(e) as BoxError)
+    }
+    fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<StepOutput, BoxError> {
+        Backend::prefill(self, tokens, start).map_err(|e| Box::new(e) as BoxError)
     }
     fn logits(&mut self) -> Result<Vec<f32>, BoxError> {
         Backend::logits(self).map_err(|e| Box::new(e) as BoxError)
@@ -46,54 +50,6 @@ impl std::fmt::Display for AnyError {
 impl std::error::Error for AnyError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         self.0.source()
-    }
-}
-
-/// The CPU reference as a [`Backend`].
-///
-/// TEMPORARY (decoding helper): stands in until `qmk_engine::CpuBackend`
-/// lands; then `common::cpu_backend` switches to it and this goes.
-pub struct RefBackend {
-    reference: qmk_model::reference::Reference,
-    logits: Vec<f32>,
-}
-
-impl RefBackend {
-    pub fn new(
-        weights: std::sync::Arc<qmk_model::Weights>,
-        capacity: usize,
-    ) -> Result<Self, qmk_model::ModelError> {
-        let reference = qmk_model::reference::Reference::new(
-            weights,
-            qmk_model::reference::ReferenceOptions::new(capacity),
-        )?;
-        Ok(RefBackend {
-            reference,
-            logits: Vec::new(),
-        })
-    }
-}
-
-impl Backend for RefBackend {
-    type Error = qmk_model::ModelError;
-    fn kind(&self) -> BackendKind {
-        BackendKind::Cpu
-    }
-    fn capacity(&self) -> usize {
-        self.reference.capacity()
-    }
-    fn step(&mut self, token: u32, pos: usize) -> Result<StepOutput, Self::Error> {
-        self.logits = self.reference.step(token, pos)?;
-        Ok(StepOutput {
-            argmax: qmk_model::reference::argmax(&self.logits),
-        })
-    }
-    fn logits(&mut self) -> Result<Vec<f32>, Self::Error> {
-        Ok(self.logits.clone())
-    }
-    fn reset(&mut self) -> Result<(), Self::Error> {
-        self.logits.clear();
-        Ok(())
     }
 }
 
@@ -141,6 +97,19 @@ impl AnyBackend {
     }
 }
 
+impl AnyBackend {
+    /// Records the logits of position `pos` when they pick a generated token.
+    fn tap_after(&mut self, pos: usize) -> Result<(), AnyError> {
+        if let Some(tap) = self.tap.as_mut() {
+            if pos >= tap.from_pos {
+                let logits = self.inner.logits().map_err(AnyError)?;
+                tap.records.push(top_logprobs(&logits, tap.k));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Backend for AnyBackend {
     type Error = AnyError;
 
@@ -152,11 +121,13 @@ impl Backend for AnyBackend {
     }
     fn step(&mut self, token: u32, pos: usize) -> Result<StepOutput, AnyError> {
         let out = self.inner.step(token, pos).map_err(AnyError)?;
-        if let Some(tap) = self.tap.as_mut() {
-            if pos >= tap.from_pos {
-                let logits = self.inner.logits().map_err(AnyError)?;
-                tap.records.push(top_logprobs(&logits, tap.k));
-            }
+        self.tap_after(pos)?;
+        Ok(out)
+    }
+    fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<StepOutput, AnyError> {
+        let out = self.inner.prefill(tokens, start).map_err(AnyError)?;
+        if let Some(last) = (start + tokens.len()).checked_sub(1) {
+            self.tap_after(last)?;
         }
         Ok(out)
     }

@@ -39,6 +39,10 @@ pub struct BenchArgs {
     /// One JSON object on stdout.
     #[arg(long)]
     json: bool,
+    /// Also time the kernel with each phase skipped and with barriers only
+    /// (where the time goes).
+    #[arg(long)]
+    profile: bool,
 }
 
 struct Bar(Option<indicatif::ProgressBar>);
@@ -72,7 +76,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
             eprintln!("{s}");
         }
     };
-    say(format!("generating synthetic {} weights (seed {})", a.preset, a.seed));
+    say(format!(
+        "generating synthetic {} weights (seed {})",
+        a.preset, a.seed
+    ));
     let weights = synthetic_weights(&config, a.seed);
     let capacity = a.warmup + a.steps + 1;
     let opts = Options {
@@ -102,6 +109,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
         ..BenchOptions::default()
     })?;
     let l = backend.launch_info();
+    let profile = if a.profile {
+        backend.bench_profile(&BenchOptions {
+            warmup: a.warmup,
+            steps: a.steps,
+            ..BenchOptions::default()
+        })?
+    } else {
+        Vec::new()
+    };
     if a.json {
         let v = serde_json::json!({
             "preset": a.preset,
@@ -124,17 +140,36 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "warmup": r.warmup,
             "steps": r.steps,
             "context": r.context,
+            "profile_us": profile.iter().map(|(k, v)| (k.clone(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
         });
         println!("{v}");
     } else {
-        println!("{} on {} (cudarc), synthetic weights, positions 0..{}", a.preset, r.device, r.context);
+        println!(
+            "{} on {} (cudarc), synthetic weights, positions 0..{}",
+            a.preset, r.device, r.context
+        );
         println!("  tok/s          {:>10.1}", r.tok_per_s);
-        println!("  us/step        {:>10.1}  (p10 {:.1}, p90 {:.1}, median of {})", r.us_per_step, r.us_p10, r.us_p90, r.steps);
+        println!(
+            "  us/step        {:>10.1}  (p10 {:.1}, p90 {:.1}, median of {})",
+            r.us_per_step, r.us_p10, r.us_p90, r.steps
+        );
         println!("  bytes/step     {:>10}", r.bytes_per_step);
         println!("  achieved GB/s  {:>10.1}", r.gbps);
-        println!("  floor GB/s     {:>10.1}  (streaming read, same cubin, same run)", r.floor_gbps);
-        println!("  % of floor     {:>10.1}  (floor {:.0} tok/s)", r.pct_of_floor, r.floor_tok_per_s);
-        println!("  barriers/step  {:>10}  grid {} x {} threads, {} regs, {} B smem", r.barriers_per_step, r.grid, l.block, r.registers, l.smem_bytes);
+        println!(
+            "  floor GB/s     {:>10.1}  (streaming read, same cubin, same run)",
+            r.floor_gbps
+        );
+        println!(
+            "  % of floor     {:>10.1}  (floor {:.0} tok/s)",
+            r.pct_of_floor, r.floor_tok_per_s
+        );
+        for (name, us) in &profile {
+            println!("  profile: {name:<24} {us:>10.1} us/step");
+        }
+        println!(
+            "  barriers/step  {:>10}  grid {} x {} threads, {} regs, {} B smem",
+            r.barriers_per_step, r.grid, l.block, r.registers, l.smem_bytes
+        );
     }
     Ok(())
 }

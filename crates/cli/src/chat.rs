@@ -12,8 +12,7 @@ use qmk_engine::{Backend, Engine, StopReason};
 use qmk_model::chat::Message;
 
 use crate::common::{
-    choose_target, engine_error, open_backend, stats_line, BackendChoice, Model, ModelArgs,
-    RunArgs, SamplingArgs,
+    choose_target, engine_error, open_backend, stats_line, Model, ModelArgs, RunArgs, SamplingArgs,
 };
 use crate::ui::Ui;
 
@@ -38,6 +37,10 @@ pub struct ChatArgs {
 }
 
 pub fn run(args: ChatArgs) -> Result<()> {
+    run_inner(args).map_err(crate::common::one_line)
+}
+
+fn run_inner(args: ChatArgs) -> Result<()> {
     let ui = Ui::new(args.run.quiet);
     args.sampling.sampling()?;
     let target = choose_target(args.run.backend, &ui)?;
@@ -52,8 +55,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         Some(c) => c,
         None => model_max.min(DEFAULT_CONTEXT),
     };
-    let auto = args.run.backend == BackendChoice::Auto;
-    let backend = open_backend(&model, target, auto, capacity, &ui)?;
+    let backend = open_backend(&model, target, &args.run, capacity, &ui)?;
     let backend_name = backend.kind().name();
     let mut engine = Engine::new(backend, model.config.vocab_size);
     let base_opts = args.sampling.options(model.stop_ids())?;

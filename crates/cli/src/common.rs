@@ -57,6 +57,11 @@ pub struct RunArgs {
     #[arg(long, value_name = "POSITIONS")]
     pub context: Option<usize>,
 
+    /// GPU backends: load this cubin (from `qwen-mk compile`) instead of
+    /// compiling the megakernel with NVRTC.
+    #[arg(long, value_name = "FILE")]
+    pub cubin: Option<PathBuf>,
+
     /// No progress bars, notes or stats on stderr (errors still show).
     #[arg(long, short = 'q')]
     pub quiet: bool,
@@ -316,39 +321,58 @@ pub fn choose_target(choice: BackendChoice, ui: &Ui) -> Result<Target> {
 }
 
 /// Loads the weights and builds the backend for `target`, with a KV cache of
-/// `capacity` positions. With `--backend auto`, a GPU that cannot be used
-/// (backend not built) falls back to the CPU, saying so.
+/// `capacity` positions. With `--backend auto`, a GPU backend that cannot
+/// start (other than for lack of memory) falls back to the CPU, saying so.
 pub fn open_backend(
     model: &Model,
     target: Target,
-    auto: bool,
+    run: &RunArgs,
     capacity: usize,
     ui: &Ui,
 ) -> Result<AnyBackend> {
+    let auto = run.backend == BackendChoice::Auto;
+    if let Some(c) = &run.cubin {
+        if !c.is_file() {
+            bail!("--cubin {}: no such file", c.display());
+        }
+    }
     if let Target::Cpu = target {
         check_cpu_memory(&model.config, capacity)?;
     }
     let weights = model.load_weights(ui)?;
     match target {
         Target::Cpu => cpu_backend(weights, capacity),
-        Target::Gpu(kind, info) => match gpu::open(kind, &info, &weights, capacity, ui) {
-            Ok(b) => Ok(b),
-            Err(GpuError::NotBuilt(name)) if auto => {
-                ui.note(format!(
-                    "found {} but the {name} backend is not built into this qwen-mk yet; using the CPU reference backend (slow)",
+        Target::Gpu(kind, info) => {
+            match gpu::open(kind, &info, &weights, capacity, run.cubin.as_deref(), ui) {
+                Ok(b) => {
+                    ui.note(format!(
+                        "using the {} backend on {}",
+                        kind.name(),
+                        info.name
+                    ));
+                    Ok(b)
+                }
+                Err(e @ GpuError::OutOfMemory { .. }) => {
+                    Err(anyhow!("--backend {}: {e}", kind.name()))
+                }
+                Err(e) if auto => {
+                    ui.note(format!(
+                    "the {} backend cannot run on {} ({e}); using the CPU reference backend (slow)",
+                    kind.name(),
                     info.name
                 ));
-                check_cpu_memory(&model.config, capacity)?;
-                cpu_backend(weights, capacity)
+                    check_cpu_memory(&model.config, capacity)?;
+                    cpu_backend(weights, capacity)
+                }
+                Err(e) => Err(anyhow!("--backend {}: {e}", kind.name())),
             }
-            Err(e) => Err(anyhow!("--backend {}: {e}", kind.name())),
-        },
+        }
     }
 }
 
 fn cpu_backend(weights: Arc<Weights>, capacity: usize) -> Result<AnyBackend> {
-    let b = crate::backend::RefBackend::new(weights, capacity)
-        .context("cannot start the cpu backend")?;
+    let b =
+        qmk_engine::CpuBackend::new(weights, capacity).context("cannot start the cpu backend")?;
     Ok(AnyBackend::new(b))
 }
 
@@ -377,6 +401,23 @@ pub fn flatten(e: &(dyn std::error::Error + 'static)) -> String {
         cur = s.source();
     }
     line
+}
+
+/// An error and its causes as one message without repeats (library errors
+/// often print their source inside their own message too).
+pub fn one_line(e: anyhow::Error) -> anyhow::Error {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let t = cause.to_string();
+        if line.contains(&t) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&t);
+    }
+    anyhow!(line)
 }
 
 /// The closing stats line.

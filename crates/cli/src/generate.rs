@@ -9,8 +9,8 @@ use qmk_engine::{Backend, Engine, StopReason};
 use qmk_model::chat::Message;
 
 use crate::common::{
-    choose_target, engine_error, open_backend, plan_context, stats_line, BackendChoice, Model,
-    ModelArgs, RunArgs, SamplingArgs,
+    choose_target, engine_error, open_backend, plan_context, stats_line, Model, ModelArgs, RunArgs,
+    SamplingArgs,
 };
 use crate::ui::Ui;
 
@@ -50,6 +50,10 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
+    run_inner(args).map_err(crate::common::one_line)
+}
+
+fn run_inner(args: GenerateArgs) -> Result<()> {
     let ui = Ui::new(args.run.quiet);
     // Everything that can be checked without the model first.
     let prompt = read_prompt(&args.prompt)?;
@@ -87,8 +91,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         ui.note("note: the model names no end-of-text token; generating until --max-new-tokens");
     }
 
-    let auto = args.run.backend == BackendChoice::Auto;
-    let mut backend = open_backend(&model, target, auto, capacity, &ui)?;
+    let mut backend = open_backend(&model, target, &args.run, capacity, &ui)?;
     let backend_name = backend.kind().name();
     if args.top_logprobs > 0 {
         backend.record_top_logprobs(args.top_logprobs, prompt_ids.len());

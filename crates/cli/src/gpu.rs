@@ -1,10 +1,11 @@
 //! GPU discovery and the GPU backends, behind one function each.
 //!
-//! [`probe`] asks the CUDA driver (through cudarc's dynamic loading, so it
-//! works on machines without CUDA) whether a device exists. [`open`] builds a
-//! GPU backend; it is the single place where the cudarc and cust backends are
+//! [`probe`] asks the CUDA driver (loaded at run time, so this works on
+//! machines without CUDA) whether a device exists. [`open`] builds a GPU
+//! backend; it is the single place where the cudarc and cust backends are
 //! wired into the CLI.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use qmk_engine::BackendKind;
@@ -17,7 +18,7 @@ use crate::ui::Ui;
 #[derive(Debug, Clone)]
 pub struct GpuInfo {
     pub name: String,
-    pub total_mem: usize,
+    pub total_mem: u64,
 }
 
 /// Why no GPU backend can run here. The message is shown to the user.
@@ -25,15 +26,14 @@ pub struct GpuInfo {
 pub enum GpuError {
     #[error("no GPU: {0}")]
     NoGpu(String),
-    #[error("the {0} backend is not built into this qwen-mk yet")]
-    NotBuilt(&'static str),
     #[error("this qwen-mk was built without the cust backend (rebuild with `--features cust`)")]
     NoCustFeature,
     #[error(
-        "out of device memory on {device}: the model needs about {need_gib:.2} GiB, the GPU has {have_gib:.2} GiB"
+        "out of device memory on {device}: {what} need about {need_gib:.2} GiB, {have_gib:.2} GiB available"
     )]
     OutOfMemory {
         device: String,
+        what: String,
         need_gib: f64,
         have_gib: f64,
     },
@@ -43,59 +43,88 @@ pub enum GpuError {
 
 /// Finds CUDA device 0, or says why there is none.
 pub fn probe() -> Result<GpuInfo, GpuError> {
-    use cudarc::driver::result;
-    // SAFETY: only tries to dlopen the driver library; no symbol is called.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(GpuError::NoGpu(
-            "the NVIDIA driver library (libcuda.so) was not found".to_string(),
-        ));
+    match qmk_backend_cudarc::device_info(0) {
+        Ok(d) => Ok(GpuInfo {
+            name: d.name,
+            total_mem: d.total_mem,
+        }),
+        Err(e) => Err(GpuError::NoGpu(crate::common::flatten(&e))),
     }
-    result::init().map_err(|e| GpuError::NoGpu(format!("CUDA driver init failed: {e}")))?;
-    let n = result::device::get_count()
-        .map_err(|e| GpuError::NoGpu(format!("cannot count CUDA devices: {e}")))?;
-    if n < 1 {
-        return Err(GpuError::NoGpu(
-            "the CUDA driver reports no device".to_string(),
-        ));
-    }
-    let dev = result::device::get(0)
-        .map_err(|e| GpuError::NoGpu(format!("cannot open CUDA device 0: {e}")))?;
-    let name = result::device::get_name(dev).unwrap_or_else(|_| "CUDA device 0".to_string());
-    // SAFETY: `dev` came from `device::get`.
-    let total_mem = unsafe { result::device::total_mem(dev) }.unwrap_or(0);
-    Ok(GpuInfo { name, total_mem })
 }
 
 /// Builds the GPU backend `kind` over `weights` with a KV cache of
-/// `capacity` positions, showing progress for kernel compilation and weight
-/// upload through `ui`.
-///
-/// LEAD: wire `qmk_backend_cudarc` (and, under `#[cfg(feature = "cust")]`,
-/// `qmk_backend_cust`) here once their constructors exist: compile/load the
-/// cubin under `ui.spinner("compiling the megakernel")`, upload under
-/// `ui.bytes_bar(bytes, "uploading weights")`, wrap with
-/// `AnyBackend::new(backend)`, and map a CUDA_ERROR_OUT_OF_MEMORY to
-/// [`GpuError::OutOfMemory`]. Until then this refuses with a typed error;
-/// it never pretends a GPU ran.
+/// `capacity` positions (loading `cubin` instead of compiling when given),
+/// showing kernel compilation (a spinner) and the weight upload (a byte
+/// bar) through `ui`. A request that cannot fit in the device's memory is
+/// refused before anything is allocated.
 pub fn open(
     kind: BackendKind,
     gpu: &GpuInfo,
     weights: &Arc<Weights>,
     capacity: usize,
+    cubin: Option<&Path>,
     ui: &Ui,
 ) -> Result<AnyBackend, GpuError> {
-    let _ = (weights, capacity, ui);
-    let need = weights_bytes(weights);
-    if gpu.total_mem > 0 && need > gpu.total_mem as u64 {
+    let need = weights_bytes(weights) as u128 + kv_bytes(&weights.config, capacity);
+    if gpu.total_mem > 0 && need > gpu.total_mem as u128 {
         return Err(GpuError::OutOfMemory {
             device: gpu.name.clone(),
+            what: format!("the weights and a KV cache of {capacity} positions"),
             need_gib: need as f64 / GIB,
             have_gib: gpu.total_mem as f64 / GIB,
         });
     }
     match kind {
-        BackendKind::Cudarc => Err(GpuError::NotBuilt("cudarc")),
-        BackendKind::Cust if cfg!(feature = "cust") => Err(GpuError::NotBuilt("cust")),
+        BackendKind::Cudarc => {
+            let opts = qmk_backend_cudarc::Options {
+                capacity,
+                cubin: cubin.map(Path::to_path_buf),
+                ..Default::default()
+            };
+            let mut bars = Bars::new(ui);
+            let made = qmk_backend_cudarc::CudarcBackend::new(weights, opts, &mut bars);
+            bars.done();
+            match made {
+                Ok(b) => Ok(AnyBackend::new(b)),
+                Err(qmk_backend_cudarc::Error::OutOfMemory {
+                    what,
+                    needed,
+                    available,
+                }) => Err(GpuError::OutOfMemory {
+                    device: gpu.name.clone(),
+                    what,
+                    need_gib: needed as f64 / GIB,
+                    have_gib: available as f64 / GIB,
+                }),
+                Err(e) => Err(GpuError::Other(crate::common::flatten(&e))),
+            }
+        }
+        #[cfg(feature = "cust")]
+        BackendKind::Cust => {
+            let opts = qmk_backend_cust::Options {
+                capacity,
+                cubin: cubin.map(Path::to_path_buf),
+                ..Default::default()
+            };
+            let mut bars = CustBars(Bars::new(ui));
+            let made = qmk_backend_cust::CustBackend::new(weights, opts, &mut bars);
+            bars.0.done();
+            match made {
+                Ok(b) => Ok(AnyBackend::new(b)),
+                Err(qmk_backend_cust::Error::OutOfMemory {
+                    what,
+                    needed,
+                    available,
+                }) => Err(GpuError::OutOfMemory {
+                    device: gpu.name.clone(),
+                    what,
+                    need_gib: needed as f64 / GIB,
+                    have_gib: available as f64 / GIB,
+                }),
+                Err(e) => Err(GpuError::Other(crate::common::flatten(&e))),
+            }
+        }
+        #[cfg(not(feature = "cust"))]
         BackendKind::Cust => Err(GpuError::NoCustFeature),
         BackendKind::Cpu => Err(GpuError::Other(
             "the CPU backend is not a GPU backend".into(),
@@ -104,6 +133,63 @@ pub fn open(
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// Bytes of a bf16 KV cache: layers x (K + V) x kv_dim x capacity.
+fn kv_bytes(c: &qmk_model::Config, capacity: usize) -> u128 {
+    c.num_hidden_layers as u128 * 2 * c.kv_dim() as u128 * 2 * capacity as u128
+}
+
+/// Kernel compilation (a spinner until the upload starts), then the weight
+/// upload (a byte bar).
+struct Bars {
+    ui: Ui,
+    bar: indicatif::ProgressBar,
+}
+
+impl Bars {
+    fn new(ui: &Ui) -> Self {
+        Bars {
+            ui: *ui,
+            bar: ui.spinner("compiling the megakernel (cached after the first run)"),
+        }
+    }
+    fn begin(&mut self, what: &str, total: u64) {
+        self.bar.finish_and_clear();
+        self.bar = self.ui.bytes_bar(total, what.to_string());
+    }
+    fn done(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+impl qmk_backend_cudarc::Progress for Bars {
+    fn begin(&mut self, what: &str, total_bytes: u64) {
+        Bars::begin(self, what, total_bytes);
+    }
+    fn advance(&mut self, bytes: u64) {
+        self.bar.inc(bytes);
+    }
+    fn finish(&mut self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+/// The same bars behind the cust backend's progress trait.
+#[cfg(feature = "cust")]
+struct CustBars(Bars);
+
+#[cfg(feature = "cust")]
+impl qmk_backend_cust::Progress for CustBars {
+    fn begin(&mut self, what: &str, total_bytes: u64) {
+        self.0.begin(what, total_bytes);
+    }
+    fn advance(&mut self, bytes: u64) {
+        self.0.bar.inc(bytes);
+    }
+    fn finish(&mut self) {
+        self.0.bar.finish_and_clear();
+    }
+}
 
 fn weights_bytes(w: &Weights) -> u64 {
     let n = w.embed_tokens.len()

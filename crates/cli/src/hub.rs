@@ -50,6 +50,9 @@ const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 /// Attempts per file: the first, a resume after an interrupted transfer, and
 /// a fresh fetch after a file failed its check.
 const ATTEMPTS: usize = 3;
+/// The model-info request answers in well under a second; a stalled server
+/// is reported as unreachable after this long.
+const INFO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Where and how to reach the Hub; from the environment by default.
 #[derive(Debug, Clone)]
@@ -283,7 +286,11 @@ fn model_info(
     model: &str,
     revision: &str,
 ) -> std::result::Result<(String, BTreeMap<String, Expected>), InfoError> {
-    let resp = match repo.info_request().query("blobs", "true").call() {
+    let request = repo
+        .info_request()
+        .query("blobs", "true")
+        .timeout(INFO_TIMEOUT);
+    let resp = match request.call() {
         Ok(r) => r,
         Err(ureq::Error::Status(code, resp)) => {
             let kind = resp.header("x-error-code").unwrap_or("").to_string();
@@ -540,7 +547,7 @@ impl Fetcher<'_> {
                                 "downloaded {name} failed its check ({e:#}); fetching it again"
                             ));
                         }
-                        last = Some(e.context("the bad copy was deleted"));
+                        last = Some(anyhow!("{e:#} (the bad copy was deleted)"));
                     }
                 },
                 Err(e) => {

@@ -6,6 +6,7 @@ mod backend;
 mod bench;
 mod chat;
 mod common;
+mod download;
 mod generate;
 mod gpu;
 mod hub;
@@ -29,6 +30,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Chat interactively, or over stdin.
     Chat(chat::ChatArgs),
+    /// Download a model from the Hugging Face Hub (checked) and print its directory.
+    Download(download::DownloadArgs),
     /// Show every stacked weight tensor's layout and split plan.
     Plan(plan::PlanArgs),
     /// Decode speed of the megakernel vs the bandwidth floor (synthetic weights).
@@ -40,6 +43,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Chat(a) => chat::run(a),
+        Command::Download(a) => download::run(a),
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
     };

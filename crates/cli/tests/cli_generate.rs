@@ -15,12 +15,29 @@ fn dir() -> Option<String> {
 fn json_output_has_every_field_and_the_chat_prompt() {
     let Some(m) = dir() else { return };
     let r = run(&[
-        "generate", "--model", &m, "--prompt", "Hi", "--backend", "cpu",
-        "--max-new-tokens", "5", "--ignore-eos", "--json",
+        "generate",
+        "--model",
+        &m,
+        "--prompt",
+        "Hi",
+        "--backend",
+        "cpu",
+        "--max-new-tokens",
+        "5",
+        "--ignore-eos",
+        "--json",
     ]);
     r.assert_ok();
     let j = r.json();
-    for k in ["model", "backend", "prompt_ids", "output_ids", "text", "prefill_ms", "decode_tok_per_s"] {
+    for k in [
+        "model",
+        "backend",
+        "prompt_ids",
+        "output_ids",
+        "text",
+        "prefill_ms",
+        "decode_tok_per_s",
+    ] {
         assert!(j.get(k).is_some(), "missing {k}: {j}");
     }
     assert_eq!(j["backend"], "cpu");
@@ -29,11 +46,15 @@ fn json_output_has_every_field_and_the_chat_prompt() {
     // The Qwen chat template with its default system message, as transformers
     // renders it (same ids as the golden "short" prompt).
     let want: Vec<u64> = vec![
-        151644, 8948, 198, 2610, 525, 1207, 16948, 11, 3465, 553, 54364, 14817, 13, 1446, 525,
-        264, 10950, 17847, 13, 151645, 198, 151644, 872, 198, 13048, 151645, 198, 151644, 77091,
-        198,
+        151644, 8948, 198, 2610, 525, 1207, 16948, 11, 3465, 553, 54364, 14817, 13, 1446, 525, 264,
+        10950, 17847, 13, 151645, 198, 151644, 872, 198, 13048, 151645, 198, 151644, 77091, 198,
     ];
-    let got: Vec<u64> = j["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    let got: Vec<u64> = j["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
     assert_eq!(got, want);
     assert!(j.get("top_logprobs").is_none());
 }
@@ -42,8 +63,20 @@ fn json_output_has_every_field_and_the_chat_prompt() {
 fn raw_system_and_top_logprobs() {
     let Some(m) = dir() else { return };
     let raw = run(&[
-        "generate", "--model", &m, "--prompt", "Hello world", "--raw", "--backend", "cpu",
-        "--max-new-tokens", "4", "--ignore-eos", "--json", "--top-logprobs", "3",
+        "generate",
+        "--model",
+        &m,
+        "--prompt",
+        "Hello world",
+        "--raw",
+        "--backend",
+        "cpu",
+        "--max-new-tokens",
+        "4",
+        "--ignore-eos",
+        "--json",
+        "--top-logprobs",
+        "3",
     ]);
     raw.assert_ok();
     let j = raw.json();
@@ -56,39 +89,83 @@ fn raw_system_and_top_logprobs() {
         // Greedy: the chosen token is the most likely one.
         assert_eq!(entry[0][0], j["output_ids"][step]);
         let lps: Vec<f64> = entry.iter().map(|e| e[1].as_f64().unwrap()).collect();
-        assert!(lps.windows(2).all(|w| w[0] >= w[1]) && lps[0] <= 0.0, "{lps:?}");
+        assert!(
+            lps.windows(2).all(|w| w[0] >= w[1]) && lps[0] <= 0.0,
+            "{lps:?}"
+        );
     }
     let sys = run(&[
-        "generate", "--model", &m, "--prompt", "Hi", "--system", "Be brief.", "--backend", "cpu",
-        "--max-new-tokens", "1", "--json",
+        "generate",
+        "--model",
+        &m,
+        "--prompt",
+        "Hi",
+        "--system",
+        "Be brief.",
+        "--backend",
+        "cpu",
+        "--max-new-tokens",
+        "1",
+        "--json",
     ]);
     sys.assert_ok();
     let ids = sys.json()["prompt_ids"].clone();
     // <|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi...
     assert_eq!(&ids.as_array().unwrap()[..3], &[151644, 8948, 198]);
-    assert!(ids.as_array().unwrap().len() < 20, "custom system replaces the default: {ids}");
+    assert!(
+        ids.as_array().unwrap().len() < 20,
+        "custom system replaces the default: {ids}"
+    );
 }
 
 #[test]
 fn streaming_prints_text_and_a_stats_line() {
     let Some(m) = dir() else { return };
     let r = run(&[
-        "generate", "--model", &m, "--prompt", "Hi", "--backend", "cpu", "--max-new-tokens", "6",
+        "generate",
+        "--model",
+        &m,
+        "--prompt",
+        "Hi",
+        "--backend",
+        "cpu",
+        "--max-new-tokens",
+        "6",
         "--ignore-eos",
     ]);
     r.assert_ok();
     let j = run(&[
-        "generate", "--model", &m, "--prompt", "Hi", "--backend", "cpu", "--max-new-tokens", "6",
-        "--ignore-eos", "--json",
+        "generate",
+        "--model",
+        &m,
+        "--prompt",
+        "Hi",
+        "--backend",
+        "cpu",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
     ])
     .json();
     // Streamed text is the decoded output (special tokens skipped) plus a newline.
     assert_eq!(r.stdout, format!("{}\n", j["text"].as_str().unwrap()));
     let stats = r.stderr.lines().last().unwrap();
-    assert!(stats.contains("[cpu] prompt 30 tokens") && stats.contains("tok/s"), "{stats}");
+    assert!(
+        stats.contains("[cpu] prompt 30 tokens") && stats.contains("tok/s"),
+        "{stats}"
+    );
     // --quiet: nothing on stderr.
     let q = run(&[
-        "generate", "--model", &m, "--prompt", "Hi", "--backend", "cpu", "--max-new-tokens", "2",
+        "generate",
+        "--model",
+        &m,
+        "--prompt",
+        "Hi",
+        "--backend",
+        "cpu",
+        "--max-new-tokens",
+        "2",
         "--quiet",
     ]);
     q.assert_ok();
@@ -98,7 +175,15 @@ fn streaming_prints_text_and_a_stats_line() {
 #[test]
 fn auto_backend_says_which_it_uses() {
     let Some(m) = dir() else { return };
-    let r = run(&["generate", "--model", &m, "--prompt", "Hi", "--max-new-tokens", "1"]);
+    let r = run(&[
+        "generate",
+        "--model",
+        &m,
+        "--prompt",
+        "Hi",
+        "--max-new-tokens",
+        "1",
+    ]);
     r.assert_ok();
     assert!(r.stderr.contains("backend"), "{}", r.stderr);
 }
@@ -108,9 +193,25 @@ fn sampling_is_reproducible_with_a_seed() {
     let Some(m) = dir() else { return };
     let go = |seed: &str| {
         let r = run(&[
-            "generate", "--model", &m, "--prompt", "Hi", "--backend", "cpu", "--max-new-tokens", "12",
-            "--ignore-eos", "--json", "--temperature", "1.5", "--top-k", "50", "--top-p", "0.95",
-            "--seed", seed,
+            "generate",
+            "--model",
+            &m,
+            "--prompt",
+            "Hi",
+            "--backend",
+            "cpu",
+            "--max-new-tokens",
+            "12",
+            "--ignore-eos",
+            "--json",
+            "--temperature",
+            "1.5",
+            "--top-k",
+            "50",
+            "--top-p",
+            "0.95",
+            "--seed",
+            seed,
         ]);
         r.assert_ok();
         r.json()["output_ids"].clone()
@@ -125,8 +226,18 @@ fn stops_at_end_of_text_unless_ignored() {
     let Some(m) = dir() else { return };
     // Find what the model says first, then declare that id the end of text.
     let probe = run(&[
-        "generate", "--model", &m, "--prompt", "Hi", "--raw", "--backend", "cpu",
-        "--max-new-tokens", "3", "--ignore-eos", "--json",
+        "generate",
+        "--model",
+        &m,
+        "--prompt",
+        "Hi",
+        "--raw",
+        "--backend",
+        "cpu",
+        "--max-new-tokens",
+        "3",
+        "--ignore-eos",
+        "--json",
     ])
     .json();
     let first = probe["output_ids"][0].as_u64().unwrap();
@@ -142,15 +253,34 @@ fn stops_at_end_of_text_unless_ignored() {
     .unwrap();
     let d = tmp.path().to_str().unwrap();
     let stop = run(&[
-        "generate", "--model", d, "--prompt", "Hi", "--raw", "--backend", "cpu",
-        "--max-new-tokens", "3", "--json",
+        "generate",
+        "--model",
+        d,
+        "--prompt",
+        "Hi",
+        "--raw",
+        "--backend",
+        "cpu",
+        "--max-new-tokens",
+        "3",
+        "--json",
     ])
     .json();
     assert_eq!(stop["output_ids"], serde_json::json!([first]));
     assert_eq!(stop["stop"], "eos");
     let go_on = run(&[
-        "generate", "--model", d, "--prompt", "Hi", "--raw", "--backend", "cpu",
-        "--max-new-tokens", "3", "--json", "--ignore-eos",
+        "generate",
+        "--model",
+        d,
+        "--prompt",
+        "Hi",
+        "--raw",
+        "--backend",
+        "cpu",
+        "--max-new-tokens",
+        "3",
+        "--json",
+        "--ignore-eos",
     ])
     .json();
     assert_eq!(go_on["output_ids"], probe["output_ids"]);
@@ -160,7 +290,19 @@ fn stops_at_end_of_text_unless_ignored() {
 fn prompt_from_stdin() {
     let Some(m) = dir() else { return };
     let r = qwen_mk(
-        &["generate", "--model", &m, "--prompt", "-", "--raw", "--backend", "cpu", "--max-new-tokens", "1", "--json"],
+        &[
+            "generate",
+            "--model",
+            &m,
+            "--prompt",
+            "-",
+            "--raw",
+            "--backend",
+            "cpu",
+            "--max-new-tokens",
+            "1",
+            "--json",
+        ],
         &[],
         "Hello world",
         Duration::from_secs(120),
@@ -173,31 +315,70 @@ fn prompt_from_stdin() {
 fn chat_keeps_history_and_survives_a_full_context() {
     let Some(m) = dir() else { return };
     let r = qwen_mk(
-        &["chat", "--model", &m, "--backend", "cpu", "--max-new-tokens", "4", "--ignore-eos"],
+        &[
+            "chat",
+            "--model",
+            &m,
+            "--backend",
+            "cpu",
+            "--max-new-tokens",
+            "4",
+            "--ignore-eos",
+        ],
         &[],
         "Hello\nHow are you?\n/reset\nAgain\n/exit\nnever read\n",
         Duration::from_secs(120),
     );
     r.assert_ok();
-    let stats: Vec<&str> = r.stderr.lines().filter(|l| l.starts_with("[cpu]")).collect();
+    let stats: Vec<&str> = r
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("[cpu]"))
+        .collect();
     assert_eq!(stats.len(), 3, "{r:#?}");
     // The second turn carries the first exchange; after /reset the prompt
     // is as short as the first one.
     let prompt_len = |l: &str| -> usize {
-        l.split("prompt ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap()
+        l.split("prompt ")
+            .nth(1)
+            .unwrap()
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
     };
-    let (a, b, c) = (prompt_len(stats[0]), prompt_len(stats[1]), prompt_len(stats[2]));
+    let (a, b, c) = (
+        prompt_len(stats[0]),
+        prompt_len(stats[1]),
+        prompt_len(stats[2]),
+    );
     assert!(b > a + 4, "history kept: {a} {b}");
     assert_eq!(a, c, "reset clears the history");
 
     // A context that one exchange nearly fills: a message, then a reset works.
     let r = qwen_mk(
-        &["chat", "--model", &m, "--backend", "cpu", "--max-new-tokens", "8", "--ignore-eos", "--context", "40"],
+        &[
+            "chat",
+            "--model",
+            &m,
+            "--backend",
+            "cpu",
+            "--max-new-tokens",
+            "8",
+            "--ignore-eos",
+            "--context",
+            "40",
+        ],
         &[],
         "Hello\nTell me more about that, please\n/reset\nHi\n",
         Duration::from_secs(120),
     );
     r.assert_ok();
     assert!(r.stdout.contains("[context full"), "{r:#?}");
-    assert_eq!(r.stderr.lines().filter(|l| l.starts_with("[cpu]")).count(), 2, "{r:#?}");
+    assert_eq!(
+        r.stderr.lines().filter(|l| l.starts_with("[cpu]")).count(),
+        2,
+        "{r:#?}"
+    );
 }

@@ -25,7 +25,11 @@ fn ids(v: &Value) -> Vec<u64> {
 
 /// Token ids of one step's top-k list `[[id, logprob], ...]`.
 fn top_ids(step: &Value) -> Vec<u64> {
-    step.as_array().unwrap().iter().map(|p| p[0].as_u64().unwrap()).collect()
+    step.as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p[0].as_u64().unwrap())
+        .collect()
 }
 
 /// The golden rule; `Err` describes the failure.
@@ -33,7 +37,11 @@ fn check_close(golden: &Value, ours: &Value) -> Result<String, String> {
     let want = ids(&golden["output_ids"]);
     let got = ids(&ours["output_ids"]);
     if got.len() != want.len() {
-        return Err(format!("{} output ids, golden has {}", got.len(), want.len()));
+        return Err(format!(
+            "{} output ids, golden has {}",
+            got.len(),
+            want.len()
+        ));
     }
     let Some(i) = (0..want.len()).find(|&i| want[i] != got[i]) else {
         return Ok("identical".to_string());
@@ -76,8 +84,19 @@ fn golden_prompts_through_the_cli() {
         let id = g["id"].as_str().unwrap();
         let prompt = g["prompt"].as_str().unwrap();
         let mut args = vec![
-            "generate", "--model", &model, "--backend", "cpu", "--max-new-tokens", "48",
-            "--ignore-eos", "--json", "--top-logprobs", "5", "--prompt", prompt,
+            "generate",
+            "--model",
+            &model,
+            "--backend",
+            "cpu",
+            "--max-new-tokens",
+            "48",
+            "--ignore-eos",
+            "--json",
+            "--top-logprobs",
+            "5",
+            "--prompt",
+            prompt,
         ];
         if g["chat"] == Value::Bool(false) {
             args.push("--raw");
@@ -97,5 +116,9 @@ fn golden_prompts_through_the_cli() {
             Err(e) => failures.push(format!("{id}: {e}")),
         }
     }
-    assert!(failures.is_empty(), "golden failures:\n{}", failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "golden failures:\n{}",
+        failures.join("\n")
+    );
 }

@@ -21,8 +21,17 @@ fn generate(model: &str, endpoint: &str, home: &Path, offline: bool) -> Run {
     }
     qwen_mk(
         &[
-            "generate", "--model", model, "--prompt", "Hi", "--backend", "cpu",
-            "--max-new-tokens", "4", "--ignore-eos", "--json",
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "Hi",
+            "--backend",
+            "cpu",
+            "--max-new-tokens",
+            "4",
+            "--ignore-eos",
+            "--json",
         ],
         &env,
         "",
@@ -36,13 +45,17 @@ fn local_output() -> serde_json::Value {
     let r = generate(m, "http://127.0.0.1:9", Path::new("/nonexistent"), true);
     r.assert_ok();
     let mut j = r.json();
-    j.as_object_mut().unwrap().retain(|k, _| k == "prompt_ids" || k == "output_ids");
+    j.as_object_mut()
+        .unwrap()
+        .retain(|k, _| k == "prompt_ids" || k == "output_ids");
     j
 }
 
 fn ids(r: &Run) -> serde_json::Value {
     let mut j = r.json();
-    j.as_object_mut().unwrap().retain(|k, _| k == "prompt_ids" || k == "output_ids");
+    j.as_object_mut()
+        .unwrap()
+        .retain(|k, _| k == "prompt_ids" || k == "output_ids");
     j
 }
 
@@ -54,7 +67,11 @@ fn snapshot(home: &Path, repo: &HubRepo) -> PathBuf {
 }
 
 fn resolves(server: &HubServer) -> usize {
-    server.log().iter().filter(|l| l.contains("/resolve/")).count()
+    server
+        .log()
+        .iter()
+        .filter(|l| l.contains("/resolve/"))
+        .count()
 }
 
 #[test]
@@ -69,10 +86,18 @@ fn clean_download_then_warm_cache_then_offline() {
     assert_eq!(ids(&r), local_output());
     assert_eq!(r.json()["model"], ID);
     let log = server.log();
-    assert!(log[0].starts_with("GET /api/models/tiny-org/tiny-qwen/revision/main"), "{log:#?}");
+    assert!(
+        log[0].starts_with("GET /api/models/tiny-org/tiny-qwen/revision/main"),
+        "{log:#?}"
+    );
     // Every file hf-hub fetched is byte-identical to the repo's.
     let snap = snapshot(home.path(), &repo);
-    for name in ["config.json", "tokenizer.json", "model.safetensors", "generation_config.json"] {
+    for name in [
+        "config.json",
+        "tokenizer.json",
+        "model.safetensors",
+        "generation_config.json",
+    ] {
         let got = std::fs::read(snap.join(name)).unwrap();
         assert_eq!(sha256_hex(&got), sha256_hex(&repo.files[name]), "{name}");
     }
@@ -99,7 +124,9 @@ fn clean_download_then_warm_cache_then_offline() {
 
 #[test]
 fn sharded_checkpoint_and_revision() {
-    let Some(tok) = tokenizer_fixture() else { return };
+    let Some(tok) = tokenizer_fixture() else {
+        return;
+    };
     let src = tempfile::tempdir().unwrap();
     write_tiny_model(src.path(), &tok, Some(3 << 20));
     assert!(src.path().join("model.safetensors.index.json").is_file());
@@ -124,8 +151,18 @@ fn sharded_checkpoint_and_revision() {
     ];
     let args = |rev: &'static str| -> Vec<String> {
         [
-            "generate", "--model", "tiny-org/sharded", "--revision", rev, "--prompt", "Hi",
-            "--backend", "cpu", "--max-new-tokens", "2", "--json",
+            "generate",
+            "--model",
+            "tiny-org/sharded",
+            "--revision",
+            rev,
+            "--prompt",
+            "Hi",
+            "--backend",
+            "cpu",
+            "--max-new-tokens",
+            "2",
+            "--json",
         ]
         .iter()
         .map(|s| s.to_string())
@@ -145,7 +182,10 @@ fn sharded_checkpoint_and_revision() {
 fn truncated_transfer_is_resumed() {
     let Some(m) = tiny_model() else { return };
     let repo = HubRepo::from_dir(ID, m);
-    let server = HubServer::start(vec![repo.clone()], &[("model.safetensors", Fault::TruncateOnce)]);
+    let server = HubServer::start(
+        vec![repo.clone()],
+        &[("model.safetensors", Fault::TruncateOnce)],
+    );
     let home = tempfile::tempdir().unwrap();
     let r = generate(ID, &server.url, home.path(), false);
     r.assert_ok();
@@ -162,11 +202,16 @@ fn truncated_transfer_is_resumed() {
 fn always_truncated_file_is_an_error_and_never_loaded() {
     let Some(m) = tiny_model() else { return };
     let repo = HubRepo::from_dir(ID, m);
-    let server = HubServer::start(vec![repo.clone()], &[("model.safetensors", Fault::TruncateAlways)]);
+    let server = HubServer::start(
+        vec![repo.clone()],
+        &[("model.safetensors", Fault::TruncateAlways)],
+    );
     let home = tempfile::tempdir().unwrap();
     let r = generate(ID, &server.url, home.path(), false);
     r.assert_error(&["model.safetensors", ID, "cannot download"]);
-    assert!(!snapshot(home.path(), &repo).join("model.safetensors").exists());
+    assert!(!snapshot(home.path(), &repo)
+        .join("model.safetensors")
+        .exists());
 }
 
 #[test]
@@ -177,7 +222,9 @@ fn corrupt_file_is_refetched_then_refused_and_deleted() {
     let home = tempfile::tempdir().unwrap();
     let r = generate(ID, &server.url, home.path(), false);
     r.assert_error(&["model.safetensors", "sha256", "deleted"]);
-    assert!(!snapshot(home.path(), &repo).join("model.safetensors").exists());
+    assert!(!snapshot(home.path(), &repo)
+        .join("model.safetensors")
+        .exists());
     let blob = home
         .path()
         .join("hub/models--tiny-org--tiny-qwen/blobs")
@@ -188,7 +235,11 @@ fn corrupt_file_is_refetched_then_refused_and_deleted() {
         .iter()
         .filter(|l| l.contains("model.safetensors") && !l.contains("bytes=0-0"))
         .count();
-    assert!(fetches >= 2, "fetched again before giving up: {:#?}", server.log());
+    assert!(
+        fetches >= 2,
+        "fetched again before giving up: {:#?}",
+        server.log()
+    );
 }
 
 #[test]
@@ -224,7 +275,11 @@ fn offline_cache_miss_is_an_error() {
     let home = tempfile::tempdir().unwrap();
     let r = generate(ID, &server.url, home.path(), true);
     r.assert_error(&["HF_HUB_OFFLINE", ID, "not in the Hub cache"]);
-    assert!(server.log().is_empty(), "offline means no request: {:#?}", server.log());
+    assert!(
+        server.log().is_empty(),
+        "offline means no request: {:#?}",
+        server.log()
+    );
 }
 
 #[test]
@@ -250,4 +305,70 @@ fn no_network_is_an_error() {
     let endpoint = format!("http://127.0.0.1:{port}");
     let r = generate(ID, &endpoint, home.path(), false);
     r.assert_error(&["cannot reach", &endpoint, "HF_HUB_OFFLINE"]);
+}
+
+#[test]
+fn download_command_prints_or_copies_the_model() {
+    let Some(m) = tiny_model() else { return };
+    let repo = HubRepo::from_dir(ID, m);
+    let server = HubServer::start(vec![repo.clone()], &[]);
+    let home = tempfile::tempdir().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let env = [
+        ("HF_ENDPOINT", server.url.as_str()),
+        ("HF_HOME", home.path().to_str().unwrap()),
+    ];
+    let r = qwen_mk(
+        &["download", "--model", ID],
+        &env,
+        "",
+        Duration::from_secs(120),
+    );
+    r.assert_ok();
+    assert_eq!(PathBuf::from(r.stdout.trim()), snapshot(home.path(), &repo));
+    let dest = out.path().join("copy");
+    let r = qwen_mk(
+        &["download", "--model", ID, "--out", dest.to_str().unwrap()],
+        &env,
+        "",
+        Duration::from_secs(120),
+    );
+    r.assert_ok();
+    for (name, bytes) in &repo.files {
+        assert_eq!(&std::fs::read(dest.join(name)).unwrap(), bytes, "{name}");
+    }
+    // The copy is a plain local model directory.
+    let g = generate(
+        dest.to_str().unwrap(),
+        "http://127.0.0.1:9",
+        Path::new("/nonexistent"),
+        true,
+    );
+    g.assert_ok();
+    assert_eq!(ids(&g), local_output());
+}
+
+#[test]
+fn hf_token_is_sent() {
+    let Some(m) = tiny_model() else { return };
+    let server = HubServer::start(vec![HubRepo::from_dir(ID, m)], &[]);
+    let home = tempfile::tempdir().unwrap();
+    let env = [
+        ("HF_ENDPOINT", server.url.as_str()),
+        ("HF_HOME", home.path().to_str().unwrap()),
+        ("HF_TOKEN", "hf_test_secret"),
+    ];
+    qwen_mk(
+        &["download", "--model", ID],
+        &env,
+        "",
+        Duration::from_secs(120),
+    )
+    .assert_ok();
+    let log = server.log();
+    assert!(!log.is_empty());
+    assert!(
+        log.iter().all(|l| l.ends_with("<Bearer hf_test_secret>")),
+        "{log:#?}"
+    );
 }

@@ -38,8 +38,8 @@ use std::sync::Arc;
 
 pub use matmul::matmul;
 pub use ops::{
-    argmax, attention, check_weights, embed, final_norm, kv_append, layer_weights, lm_head, mlp,
-    o_proj, qkv_proj, rms_norm, rotary, silu, Dims, KvCache, LayerWeights, Rope,
+    argmax, attention, attention_head, check_weights, embed, final_norm, kv_append, layer_weights,
+    lm_head, mlp, o_proj, qkv_proj, rms_norm, rotary, silu, Dims, KvCache, LayerWeights, Rope,
 };
 
 use crate::error::ModelError;

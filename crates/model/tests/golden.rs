@@ -75,7 +75,12 @@ fn tokenizer_and_chat_template_reproduce_golden_input_ids() {
     for g in &gs {
         assert_eq!(prompt_ids(&tok, &tmpl, g), g.input_ids, "prompt `{}`", g.id);
         // Decoding the golden output gives transformers' text.
-        assert_eq!(tok.decode(&g.output_ids, false).unwrap(), g.text, "text `{}`", g.id);
+        assert_eq!(
+            tok.decode(&g.output_ids, false).unwrap(),
+            g.text,
+            "text `{}`",
+            g.id
+        );
     }
 }
 
@@ -84,7 +89,11 @@ fn chat_template_render_is_the_qwen_format() {
     let tmpl = ChatTemplate::from_dir(tokenizer_dir()).unwrap();
     let out = tmpl
         .render(
-            &[Message::system("Be brief."), Message::user("Hi"), Message::assistant("Hello!")],
+            &[
+                Message::system("Be brief."),
+                Message::user("Hi"),
+                Message::assistant("Hello!"),
+            ],
             true,
         )
         .unwrap();
@@ -94,7 +103,10 @@ fn chat_template_render_is_the_qwen_format() {
          <|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>assistant\n"
     );
     let no_gen = tmpl.render(&[Message::user("Hi")], false).unwrap();
-    assert!(no_gen.ends_with("<|im_start|>user\nHi<|im_end|>\n"), "{no_gen}");
+    assert!(
+        no_gen.ends_with("<|im_start|>user\nHi<|im_end|>\n"),
+        "{no_gen}"
+    );
     // Tools go through `tojson` with Python's separators.
     let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
     let out = tmpl
@@ -119,7 +131,11 @@ fn chat_template_sources_and_precedence() {
         serde_json::json!({"eos_token": {"content": "<|im_end|>"}, "chat_template": t}).to_string()
     };
     // 1. a string field in tokenizer_config.json
-    std::fs::write(dir.path().join("tokenizer_config.json"), cfg(src.clone().into())).unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        cfg(src.clone().into()),
+    )
+    .unwrap();
     let t = ChatTemplate::from_dir(dir.path()).unwrap();
     assert_eq!(t.render(&msgs, true).unwrap(), want);
     assert_eq!(t.special_tokens()["eos_token"], "<|im_end|>");
@@ -129,16 +145,27 @@ fn chat_template_sources_and_precedence() {
         {"name": "default", "template": src},
     ]);
     std::fs::write(dir.path().join("tokenizer_config.json"), cfg(list)).unwrap();
-    assert_eq!(ChatTemplate::from_dir(dir.path()).unwrap().render(&msgs, true).unwrap(), want);
+    assert_eq!(
+        ChatTemplate::from_dir(dir.path())
+            .unwrap()
+            .render(&msgs, true)
+            .unwrap(),
+        want
+    );
     // 3. chat_template.jinja takes precedence over the config field
     std::fs::write(dir.path().join("chat_template.jinja"), "J{{ eos_token }}").unwrap();
     assert_eq!(
-        ChatTemplate::from_dir(dir.path()).unwrap().render(&msgs, true).unwrap(),
+        ChatTemplate::from_dir(dir.path())
+            .unwrap()
+            .render(&msgs, true)
+            .unwrap(),
         "J<|im_end|>"
     );
     // 4. nothing at all: an error naming the directory
     let empty = tempfile::tempdir().unwrap();
-    let e = ChatTemplate::from_dir(empty.path()).unwrap_err().to_string();
+    let e = ChatTemplate::from_dir(empty.path())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("no chat template"), "{e}");
 }
 
@@ -148,8 +175,13 @@ fn malformed_tokenizer_json_is_a_named_error() {
     let path = dir.path().join("tokenizer.json");
     std::fs::write(&path, "{\"model\": 3").unwrap();
     let e = Tokenizer::from_file(&path).unwrap_err().to_string();
-    assert!(e.contains("tokenizer.json") && e.contains("malformed"), "{e}");
-    let e = Tokenizer::from_dir(dir.path().join("nope")).unwrap_err().to_string();
+    assert!(
+        e.contains("tokenizer.json") && e.contains("malformed"),
+        "{e}"
+    );
+    let e = Tokenizer::from_dir(dir.path().join("nope"))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("cannot read"), "{e}");
 }
 
@@ -166,7 +198,10 @@ fn stream_decode_never_splits_a_character() {
     let mut out = String::new();
     for &id in &ids {
         if let Some(piece) = dec.push(id).unwrap() {
-            assert!(!piece.contains('\u{FFFD}'), "piece {piece:?} splits a character");
+            assert!(
+                !piece.contains('\u{FFFD}'),
+                "piece {piece:?} splits a character"
+            );
             out.push_str(&piece);
         }
     }
@@ -179,14 +214,21 @@ fn stream_decode_never_splits_a_character() {
     // Every golden output streams to the golden text.
     for g in goldens() {
         let mut dec = tok.stream_decoder(false);
-        let mut out: String = g.output_ids.iter().filter_map(|&id| dec.push(id).unwrap()).collect();
+        let mut out: String = g
+            .output_ids
+            .iter()
+            .filter_map(|&id| dec.push(id).unwrap())
+            .collect();
         out.extend(dec.flush().unwrap());
         assert_eq!(out, g.text, "{}", g.id);
     }
     // An incomplete character at the end is held back, then flushed as
     // `decode` shows it.
     let mut dec = tok.stream_decoder(false);
-    let mut out: String = ids[..cut].iter().filter_map(|&id| dec.push(id).unwrap()).collect();
+    let mut out: String = ids[..cut]
+        .iter()
+        .filter_map(|&id| dec.push(id).unwrap())
+        .collect();
     assert!(!out.ends_with('\u{FFFD}'));
     out.extend(dec.flush().unwrap());
     assert_eq!(out, tok.decode(&ids[..cut], false).unwrap());
@@ -271,7 +313,8 @@ fn cpu_reference_matches_hf_goldens_on_real_weights() {
             None => (true, "all ids equal".to_string()),
             Some(i) => {
                 let gold_top5: Vec<u32> = g.top5[i].iter().map(|&(id, _)| id).collect();
-                let ok = gold_top5.contains(&ours[s][i]) && our_top5[s][i].contains(&g.output_ids[i]);
+                let ok =
+                    gold_top5.contains(&ours[s][i]) && our_top5[s][i].contains(&g.output_ids[i]);
                 (
                     ok,
                     format!(
@@ -291,10 +334,7 @@ fn cpu_reference_matches_hf_goldens_on_real_weights() {
     }
 
     let exact = outcomes.iter().filter(|o| o.divergence.is_none()).count();
-    let worst = outcomes
-        .iter()
-        .map(|o| o.max_lp_diff)
-        .fold(0.0, f64::max);
+    let worst = outcomes.iter().map(|o| o.max_lp_diff).fold(0.0, f64::max);
     eprintln!("golden report (CPU reference vs HF transformers, {steps} greedy steps):");
     for o in &outcomes {
         eprintln!(
@@ -305,7 +345,10 @@ fn cpu_reference_matches_hf_goldens_on_real_weights() {
             o.detail
         );
     }
-    eprintln!("  exact match of all {steps} ids: {exact} of {}", outcomes.len());
+    eprintln!(
+        "  exact match of all {steps} ids: {exact} of {}",
+        outcomes.len()
+    );
     eprintln!("  largest |logprob difference| of the golden top-1 token: {worst:.3e}");
     eprintln!(
         "  time: prefill {:.1?}, prefill + {} batched steps {:.1?}",

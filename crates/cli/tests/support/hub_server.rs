@@ -194,11 +194,18 @@ fn serve_connection(sock: TcpStream, st: &State) -> std::io::Result<()> {
             return Ok(());
         };
         let range = req.headers.get("range").cloned();
+        let auth = req.headers.get("authorization").cloned();
         st.log.lock().unwrap().push(format!(
-            "{} {}{}",
+            "{} {}{}{}",
             req.method,
             req.path,
-            range.as_deref().map(|r| format!(" [{r}]")).unwrap_or_default()
+            range
+                .as_deref()
+                .map(|r| format!(" [{r}]"))
+                .unwrap_or_default(),
+            auth.as_deref()
+                .map(|a| format!(" <{a}>"))
+                .unwrap_or_default()
         ));
         if !respond(&mut w, st, &req, range.as_deref())? {
             let _ = w.shutdown(Shutdown::Both);
@@ -243,7 +250,12 @@ fn not_found(w: &mut TcpStream, code: &str, msg: &str) -> std::io::Result<bool> 
 }
 
 /// Answers one request; false when the connection must be closed.
-fn respond(w: &mut TcpStream, st: &State, req: &Request, range: Option<&str>) -> std::io::Result<bool> {
+fn respond(
+    w: &mut TcpStream,
+    st: &State,
+    req: &Request,
+    range: Option<&str>,
+) -> std::io::Result<bool> {
     let head_only = req.method == "HEAD";
     let path = req.path.split('?').next().unwrap_or("");
     // --- model info -------------------------------------------------------
@@ -374,7 +386,10 @@ fn respond(w: &mut TcpStream, st: &State, req: &Request, range: Option<&str>) ->
         for (k, v) in &headers {
             s.push_str(&format!("{k}: {v}\r\n"));
         }
-        s.push_str(&format!("Content-Length: {}\r\nConnection: close\r\n\r\n", body.len()));
+        s.push_str(&format!(
+            "Content-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        ));
         w.write_all(s.as_bytes())?;
         w.write_all(&body[..body.len() / 2])?;
         w.flush()?;

@@ -62,7 +62,11 @@ pub fn write_tiny_model(dir: &Path, tokenizer: &Path, shard_bytes: Option<u64>) 
         r#"{"bos_token_id": 151643, "eos_token_id": [151645, 151643], "do_sample": false}"#,
     )
     .unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
         std::fs::copy(tokenizer.join(f), dir.join(f)).unwrap();
     }
 }
@@ -95,13 +99,17 @@ impl Run {
     pub fn assert_error(&self, needles: &[&str]) {
         assert_eq!(self.code, 1, "expected exit 1: {self:#?}");
         assert!(!self.stderr.contains("panicked"), "panic: {self:#?}");
-        assert!(!self.stderr.contains("stack backtrace"), "backtrace: {self:#?}");
+        assert!(
+            !self.stderr.contains("stack backtrace"),
+            "backtrace: {self:#?}"
+        );
         let errors: Vec<&str> = self
             .stderr
             .lines()
             .filter(|l| l.starts_with("error:"))
             .collect();
         assert_eq!(errors.len(), 1, "expected one error line: {self:#?}");
+        eprintln!("{}", errors[0]);
         for n in needles {
             assert!(
                 errors[0].contains(n),

@@ -80,11 +80,25 @@ mod avx2 {
 
     use half::bf16;
 
-    /// 8 bf16 at `p` widened to 8 f32.
+    // Loads go through arrays and `transmute` rather than raw pointers:
+    // tests run with debug assertions, whose pointer precondition checks
+    // would otherwise sit in the inner loop and spill every load.
+
+    /// `s[..8]` as a vector.
+    #[inline(always)]
+    fn load8(s: &[f32]) -> __m256 {
+        let a: [f32; 8] = s[..8].try_into().unwrap();
+        // SAFETY: [f32; 8] and __m256 are both 32 plain bytes.
+        unsafe { std::mem::transmute::<[f32; 8], __m256>(a) }
+    }
+
+    /// `s[..8]` widened from bf16 to f32.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn widen8(p: *const bf16) -> __m256 {
-        let h = _mm_loadu_si128(p.cast::<__m128i>());
+    unsafe fn widen8(s: &[bf16]) -> __m256 {
+        let a: [bf16; 8] = s[..8].try_into().unwrap();
+        // SAFETY: [bf16; 8] and __m128i are both 16 plain bytes.
+        let h = std::mem::transmute::<[bf16; 8], __m128i>(a);
         _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
     }
 
@@ -105,8 +119,7 @@ mod avx2 {
     /// * `x` `[T, K]`, `w` `[nb, K]`, `out_t` `[nb, T]`
     ///
     /// # Safety
-    /// AVX2 and FMA must be available; rows `r0..r0+RW` of `w` and
-    /// `t0..t0+RT` of `x` must exist.
+    /// AVX2 and FMA must be available.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
@@ -119,20 +132,19 @@ mod avx2 {
         t: usize,
         out_t: &mut [f32],
     ) {
-        assert!((r0 + RW) * k <= w.len() && (t0 + RT) * k <= x.len());
-        let xp = x.as_ptr().add(t0 * k);
-        let wp = w.as_ptr().add(r0 * k);
+        let wr: [&[bf16]; RW] = std::array::from_fn(|i| &w[(r0 + i) * k..(r0 + i + 1) * k]);
+        let xr: [&[f32]; RT] = std::array::from_fn(|j| &x[(t0 + j) * k..(t0 + j + 1) * k]);
         let mut acc = [[[_mm256_setzero_ps(); 2]; RT]; RW]; // [RW, RT, 16 lanes]
         let full = k / 16 * 16;
         let mut c = 0;
         while c < full {
             for i in 0..RW {
-                let w0 = widen8(wp.add(i * k + c));
-                let w1 = widen8(wp.add(i * k + c + 8));
+                let ws = &wr[i][c..c + 16];
+                let (w0, w1) = (widen8(ws), widen8(&ws[8..]));
                 for j in 0..RT {
-                    let xr = xp.add(j * k + c);
-                    acc[i][j][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), w0, acc[i][j][0]);
-                    acc[i][j][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr.add(8)), w1, acc[i][j][1]);
+                    let xs = &xr[j][c..c + 16];
+                    acc[i][j][0] = _mm256_fmadd_ps(load8(xs), w0, acc[i][j][0]);
+                    acc[i][j][1] = _mm256_fmadd_ps(load8(&xs[8..]), w1, acc[i][j][1]);
                 }
             }
             c += 16;
@@ -140,8 +152,8 @@ mod avx2 {
         for i in 0..RW {
             for j in 0..RT {
                 let mut s = sum16(acc[i][j][0], acc[i][j][1]);
-                for kk in full..k {
-                    s = (*xp.add(j * k + kk)).mul_add(super::widen(*wp.add(i * k + kk)), s);
+                for (a, b) in xr[j][full..].iter().zip(&wr[i][full..]) {
+                    s = a.mul_add(super::widen(*b), s);
                 }
                 out_t[(r0 + i) * t + t0 + j] = s;
             }
@@ -210,7 +222,10 @@ fn has_avx2_fma() -> bool {
 /// Panics if the lengths are not multiples of `k` or disagree (callers size
 /// every buffer from the config; a mismatch is a bug, not an input error).
 pub fn matmul(x: &[f32], w: &[bf16], k: usize, out: &mut [f32]) {
-    assert!(k > 0 && x.len() % k == 0 && w.len() % k == 0, "matmul: bad K");
+    assert!(
+        k > 0 && x.len() % k == 0 && w.len() % k == 0,
+        "matmul: bad K"
+    );
     let t = x.len() / k;
     let n = w.len() / k;
     assert_eq!(out.len(), t * n, "matmul: out is not [T, N]");
@@ -299,7 +314,10 @@ mod tests {
             matmul(&x, &w, k, &mut out);
             let want = naive(&x, &w, k);
             for (a, b) in out.iter().zip(&want) {
-                assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{t}x{n}x{k}: {a} vs {b}");
+                assert!(
+                    (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                    "{t}x{n}x{k}: {a} vs {b}"
+                );
             }
         }
     }

@@ -323,30 +323,48 @@ pub fn attention(
     d: &Dims,
     out: &mut [f32],
 ) {
+    let hd = d.head_dim;
+    for (h, (qh, oh)) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).enumerate() {
+        attention_head(qh, k_cache, v_cache, h / d.group(), pos, d, oh);
+    }
+}
+
+/// [`attention`] for one query head reading KV head `kvh`.
+///
+/// * `q` `[hd]`, `k_cache`, `v_cache` `[S, KV]`, `out` `[hd]`
+pub fn attention_head(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    kvh: usize,
+    pos: usize,
+    d: &Dims,
+    out: &mut [f32],
+) {
     let (hd, kv) = (d.head_dim, d.kv_dim());
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut scores = vec![0f32; pos + 1]; // [pos + 1]
-    for h in 0..d.heads {
-        let kvh = h / d.group();
-        let qh = &q[h * hd..(h + 1) * hd]; // [hd]
-        for (p, s) in scores.iter_mut().enumerate() {
-            let kp = &k_cache[p * kv + kvh * hd..p * kv + (kvh + 1) * hd]; // [hd]
-            *s = qh.iter().zip(kp).map(|(a, b)| a * b).sum::<f32>() * scale;
-        }
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut denom = 0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            denom += *s;
-        }
-        let oh = &mut out[h * hd..(h + 1) * hd]; // [hd]
-        oh.fill(0.0);
-        for (p, s) in scores.iter().enumerate() {
-            let w = s / denom;
-            let vp = &v_cache[p * kv + kvh * hd..p * kv + (kvh + 1) * hd]; // [hd]
-            for (o, v) in oh.iter_mut().zip(vp) {
-                *o += w * v;
-            }
+    // Position p's slice of KV head kvh, [hd].
+    let at = |p: usize| p * kv + kvh * hd..p * kv + (kvh + 1) * hd;
+    let mut scores: Vec<f32> = (0..=pos) // [pos + 1]
+        .map(|p| {
+            q.iter()
+                .zip(&k_cache[at(p)])
+                .map(|(a, b)| a * b)
+                .sum::<f32>()
+                * scale
+        })
+        .collect();
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut denom = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        denom += *s;
+    }
+    out.fill(0.0);
+    for (p, s) in scores.iter().enumerate() {
+        let w = s / denom;
+        for (o, v) in out.iter_mut().zip(&v_cache[at(p)]) {
+            *o += w * v;
         }
     }
 }
@@ -418,7 +436,8 @@ pub fn argmax(logits: &[f32]) -> u32 {
     best as u32
 }
 
-/// Attention for `T` rows in parallel; row `t` reads its own cache.
+/// Attention for `T` rows in parallel over (row, head); row `t` reads its
+/// own sequence's cache.
 ///
 /// * `q` `[T, Q]`, `out` `[T, Q]`
 pub(crate) fn attention_rows(
@@ -429,12 +448,14 @@ pub(crate) fn attention_rows(
     d: &Dims,
     out: &mut [f32],
 ) {
-    let qd = d.q_dim();
-    out.par_chunks_mut(qd)
-        .zip(q.par_chunks(qd))
+    let hd = d.head_dim;
+    out.par_chunks_mut(hd)
+        .zip(q.par_chunks(hd))
         .enumerate()
-        .for_each(|(t, (ot, qt))| {
+        .for_each(|(i, (oh, qh))| {
+            let (t, h) = (i / d.heads, i % d.heads);
             let c = caches[t];
-            attention(qt, c.k_layer(l), c.v_layer(l), positions[t], d, ot);
+            let (k, v) = (c.k_layer(l), c.v_layer(l));
+            attention_head(qh, k, v, h / d.group(), positions[t], d, oh);
         });
 }
