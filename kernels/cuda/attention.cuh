@@ -51,21 +51,41 @@ __device__ __forceinline__ void attention(const Params& p, u32 layer, u32 pos, f
             acc[j] = 0.0f;
         }
         float m = -QMK_INF, l = 0.0f;
-        for (u32 t = warp; t <= pos; t += QMK_WARPS) {
-            float kv[DPL], vv[DPL];
-            load_bf16_n<DPL>(kl + kv_off(t, col), kv);
-            load_bf16_n<DPL>(vl + kv_off(t, col), vv);
-            float s = 0.0f;
+        // Positions in groups of U per warp: all U K/V loads are issued
+        // before the first use (latency, not bandwidth, bounds this phase at
+        // short context). The online-softmax updates still run in position
+        // order, so the result is bit-identical to one position at a time.
+        constexpr int U = 4;
+        for (u32 t0 = warp; t0 <= pos; t0 += U * QMK_WARPS) {
+            float kv[U][DPL], vv[U][DPL], s[U];
 #pragma unroll
-            for (int j = 0; j < DPL; ++j) s = fmaf(qv[j], kv[j], s);
-            s = warp_sum(s);
-            const float m_new = fmaxf(m, s);
-            const float c = expf(m - m_new);
-            const float e = expf(s - m_new);
-            l = l * c + e;
+            for (int u = 0; u < U; ++u) {
+                const u32 t = t0 + u * QMK_WARPS;
+                if (t <= pos) {
+                    load_bf16_n<DPL>(kl + kv_off(t, col), kv[u]);
+                    load_bf16_n<DPL>(vl + kv_off(t, col), vv[u]);
+                }
+            }
 #pragma unroll
-            for (int j = 0; j < DPL; ++j) acc[j] = fmaf(acc[j], c, e * vv[j]);
-            m = m_new;
+            for (int u = 0; u < U; ++u) {
+                s[u] = 0.0f;
+                if (t0 + u * QMK_WARPS <= pos) {
+#pragma unroll
+                    for (int j = 0; j < DPL; ++j) s[u] = fmaf(qv[j], kv[u][j], s[u]);
+                }
+                s[u] = warp_sum(s[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (t0 + u * QMK_WARPS > pos) break;
+                const float m_new = fmaxf(m, s[u]);
+                const float c = expf(m - m_new);
+                const float e = expf(s[u] - m_new);
+                l = l * c + e;
+#pragma unroll
+                for (int j = 0; j < DPL; ++j) acc[j] = fmaf(acc[j], c, e * vv[u][j]);
+                m = m_new;
+            }
         }
         if (lane == 0) {
             wm[warp] = m;

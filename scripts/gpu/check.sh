@@ -32,7 +32,7 @@ fi
 if [[ $MODE == tests || $MODE == all ]]; then
   # One process per test: a sticky CUDA error in one cannot hide the others.
   : > "$OUT/gpu-tests.log"
-  for t in megakernel_matches_reference_0_5b logits_are_bit_identical trap_probe megakernel_matches_reference_7b; do
+  for t in megakernel_matches_reference_0_5b logits_are_bit_identical trap_probe cubin_from_file megakernel_matches_reference_7b; do
     timeout 300 "$CARRY/gpu-tests" --test-threads=1 --nocapture "$t" 2>&1 | tee -a "$OUT/gpu-tests.log"
     rc=${PIPESTATUS[0]}
     summary+=("gpu-test $t rc=$rc")
@@ -54,5 +54,5 @@ fi
 
 echo "== summary"
 printf '%s\n' "${summary[@]}"
-grep -hE "^test |test result|max rel err|trap probe|  (split|unsplit)|determinism|error paths" "$OUT"/*.log 2>/dev/null | tail -30
+grep -hE "^test |test result|max rel err|trap probe|  (split|unsplit)|determinism|error paths| -> " "$OUT"/*.log 2>/dev/null | tail -30
 cat "$OUT/bench.jsonl" 2>/dev/null

@@ -231,3 +231,69 @@ fn trap_probe_wraps_unsplit_exactly_where_predicted_14b() {
     assert_eq!(r.unsplit.first_wrong, Some(30));
     assert!(r.as_predicted());
 }
+
+#[test]
+fn cubin_from_file_memory_errors_and_foreign_cubins_are_typed() {
+    let Some(_g) = gpu_or_skip("cubin/memory errors") else {
+        return;
+    };
+    let arch = qmk_backend_cudarc::device_info(0).unwrap().arch;
+    let w = synthetic_weights(&Config::preset("0.5b").unwrap(), SEED);
+    // A cubin written to a file (what `qwen-mk compile` does) loads.
+    let compiler = qmk_kernels::Compiler::new().unwrap();
+    let dir = std::env::temp_dir().join(format!("qmk-gpu-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let own = dir.join("own.cubin");
+    let build = qmk_kernels::KernelBuild::new(&w.config).unwrap();
+    compiler.compile(&build, arch).unwrap().write(&own).unwrap();
+    let opts = Options {
+        capacity: 16,
+        cubin: Some(own),
+        ..Options::default()
+    };
+    let mut b = CudarcBackend::new(&w, opts, &mut ()).unwrap();
+    b.step(PROMPT[0], 0).unwrap();
+    drop(b);
+    // A cubin built for another model is refused by its fingerprint.
+    let foreign = dir.join("foreign.cubin");
+    let other = qmk_kernels::KernelBuild::new(&Config::preset("1.5b").unwrap()).unwrap();
+    compiler
+        .compile(&other, arch)
+        .unwrap()
+        .write(&foreign)
+        .unwrap();
+    let opts = Options {
+        capacity: 16,
+        cubin: Some(foreign),
+        ..Options::default()
+    };
+    let e = CudarcBackend::new(&w, opts, &mut ()).unwrap_err();
+    println!("foreign cubin -> {e}");
+    assert!(matches!(e, Error::Fingerprint { .. }), "{e}");
+    // A KV cache larger than the GPU: a typed error with the numbers.
+    let opts = Options {
+        capacity: 15_000_000,
+        ..Options::default()
+    };
+    let e = CudarcBackend::new(&w, opts, &mut ()).unwrap_err();
+    println!("15M-position KV cache -> {e}");
+    assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
+    // One KV layer past the kernel's 32-bit in-layer offsets.
+    let opts = Options {
+        capacity: 20_000_000,
+        ..Options::default()
+    };
+    let e = CudarcBackend::new(&w, opts, &mut ()).unwrap_err();
+    println!("20M-position KV cache -> {e}");
+    assert!(
+        matches!(
+            e,
+            Error::Option {
+                field: "capacity",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

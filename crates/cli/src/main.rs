@@ -4,6 +4,7 @@
 
 mod backend;
 mod bench;
+mod compile;
 mod chat;
 mod common;
 mod download;
@@ -36,6 +37,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Decode speed of the megakernel vs the bandwidth floor (synthetic weights).
     Bench(bench::BenchArgs),
+    /// Write the megakernel cubin for a model and GPU arch (for machines without NVRTC).
+    Compile(compile::CompileArgs),
 }
 
 fn main() -> ExitCode {
@@ -46,6 +49,7 @@ fn main() -> ExitCode {
         Command::Download(a) => download::run(a),
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Compile(a) => compile::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

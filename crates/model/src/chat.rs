@@ -17,6 +17,20 @@
 //!    HTML escaping, non-ASCII kept), not minijinja's built-in.
 //!
 //! The rendered text is then tokenized *without* adding special tokens.
+//!
+//! Templates come from the internet, so rendering is bounded (a limit hit is
+//! [`ModelError::TemplateLimit`]):
+//! 5. at most [`RENDER_FUEL`] minijinja instructions (a `for` over 10^9
+//!    items, nested loops);
+//! 6. at most [`RECURSION_LIMIT`] nested macro calls / includes;
+//! 7. at most [`MAX_RENDER_BYTES`] of output;
+//! 8. `indent` and `tojson(indent=...)` widths at most [`MAX_INDENT`];
+//!    minijinja itself refuses a `string * n` longer than 10^8 bytes and a
+//!    `range` of more than 10^5 items;
+//! 9. a panic inside the template engine becomes an error.
+//!
+//! Not bounded: memory of intermediate values a template builds without
+//! writing them (e.g. repeated `s ~ s`), which minijinja offers no hook for.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -73,6 +87,17 @@ impl std::fmt::Debug for ChatTemplate {
 }
 
 const TEMPLATE_NAME: &str = "chat";
+
+/// minijinja instructions one render may execute. Qwen2.5's template spends
+/// about a hundred per message, so this covers conversations far longer
+/// than any context, and stops a runaway loop within about a second.
+pub const RENDER_FUEL: u64 = 20_000_000;
+/// Deepest nesting of macro calls (and other recursion) in a render.
+pub const RECURSION_LIMIT: usize = 100;
+/// Largest rendered prompt, in bytes (a 128k-token prompt is under 1 MB).
+pub const MAX_RENDER_BYTES: usize = 64 << 20;
+/// Largest indent width `indent` and `tojson` accept.
+pub const MAX_INDENT: usize = 256;
 
 impl ChatTemplate {
     /// Finds the template in a model directory (see the module docs for the
@@ -136,6 +161,9 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
+        env.add_filter("indent", indent);
+        env.set_fuel(Some(RENDER_FUEL));
+        env.set_recursion_limit(RECURSION_LIMIT);
         env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(|e| ModelError::ChatTemplate {
                 origin: origin.clone(),
@@ -185,7 +213,40 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| self.err(e))?;
-        tmpl.render(Value::from(ctx)).map_err(|e| self.err(e))
+        let mut out = CappedWriter::default();
+        // minijinja can panic on hostile input (e.g. overflowing length
+        // arithmetic of a repeated sequence in debug builds): an error too.
+        let rendered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            tmpl.render_captured_to(Value::from(ctx), &mut out)
+        }));
+        match rendered {
+            Ok(Ok(_)) => String::from_utf8(out.buf).map_err(|e| ModelError::ChatTemplate {
+                origin: self.origin.clone(),
+                message: format!("rendered text is not UTF-8: {e}"),
+            }),
+            Ok(Err(_)) if out.full => Err(self.limit("rendered bytes", MAX_RENDER_BYTES as u64)),
+            Ok(Err(e)) if e.kind() == ErrorKind::OutOfFuel => {
+                Err(self.limit("instructions executed", RENDER_FUEL))
+            }
+            Ok(Err(e))
+                if e.kind() == ErrorKind::InvalidOperation
+                    && e.detail() == Some("recursion limit exceeded") =>
+            {
+                Err(self.limit("recursion depth", RECURSION_LIMIT as u64))
+            }
+            Ok(Err(e)) => Err(self.err(e)),
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                Err(ModelError::ChatTemplate {
+                    origin: self.origin.clone(),
+                    message: format!("render failed: the template engine panicked: {what}"),
+                })
+            }
+        }
     }
 
     /// The template text.
@@ -198,12 +259,100 @@ impl ChatTemplate {
         &self.special_tokens
     }
 
+    fn limit(&self, what: &'static str, limit: u64) -> ModelError {
+        ModelError::TemplateLimit {
+            origin: self.origin.clone(),
+            what,
+            limit,
+        }
+    }
+
     fn err(&self, e: JinjaError) -> ModelError {
         ModelError::ChatTemplate {
             origin: self.origin.clone(),
             message: format!("render failed: {e:#}"),
         }
     }
+}
+
+/// Collects rendered output, refusing to grow past [`MAX_RENDER_BYTES`].
+#[derive(Default)]
+struct CappedWriter {
+    buf: Vec<u8>,
+    /// Set when a write was refused; the render then fails.
+    full: bool,
+}
+
+impl std::io::Write for CappedWriter {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len().saturating_add(bytes.len()) > MAX_RENDER_BYTES {
+            self.full = true;
+            return Err(std::io::Error::other("rendered output too large"));
+        }
+        self.buf.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// An indent width from a template, refused past [`MAX_INDENT`].
+fn indent_width(n: usize) -> Result<usize, JinjaError> {
+    if n > MAX_INDENT {
+        return Err(JinjaError::new(
+            ErrorKind::InvalidOperation,
+            format!("indent width {n} exceeds {MAX_INDENT}"),
+        ));
+    }
+    Ok(n)
+}
+
+/// minijinja's `indent(width=4, first=false, blank=false)`, with the width
+/// bounded (minijinja's own allocates `width` spaces unchecked).
+fn indent(
+    value: String,
+    width: Option<usize>,
+    first: Option<bool>,
+    blank: Option<bool>,
+    kwargs: Kwargs,
+) -> Result<String, JinjaError> {
+    let width = match width {
+        Some(w) => w,
+        None => kwargs.get::<Option<usize>>("width")?.unwrap_or(4),
+    };
+    let first = match first {
+        Some(f) => f,
+        None => kwargs.get::<Option<bool>>("first")?.unwrap_or(false),
+    };
+    let blank = match blank {
+        Some(b) => b,
+        None => kwargs.get::<Option<bool>>("blank")?.unwrap_or(false),
+    };
+    kwargs.assert_all_used()?;
+    // The rest is minijinja 2.24's `indent`, verbatim in effect.
+    let strip = |s: &str| -> usize {
+        let s = s.strip_suffix('\n').unwrap_or(s);
+        s.strip_suffix('\r').unwrap_or(s).len()
+    };
+    let pad = " ".repeat(indent_width(width)?);
+    let input = &value[..strip(&value)];
+    let mut out = String::with_capacity(input.len());
+    let mut lines = input.split('\n');
+    if !first {
+        out.push_str(lines.next().unwrap_or(""));
+        out.push('\n');
+    }
+    for line in lines {
+        if !line.is_empty() || blank {
+            out.push_str(&pad);
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out.truncate(strip(&out));
+    Ok(out)
 }
 
 fn read(path: &Path) -> Result<String, ModelError> {
@@ -373,8 +522,12 @@ fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<String
         None => None,
         Some(v) if v.is_none() || v.is_undefined() => None,
         Some(v) => match v.as_i64() {
-            Some(n) => Some(" ".repeat(n.max(0) as usize)),
-            None => Some(v.as_str().unwrap_or("").to_string()),
+            Some(n) => Some(" ".repeat(indent_width(n.max(0) as usize)?)),
+            None => {
+                let s = v.as_str().unwrap_or("");
+                indent_width(s.len())?;
+                Some(s.to_string())
+            }
         },
     };
     let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);

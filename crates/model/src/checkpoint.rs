@@ -33,7 +33,7 @@ use serde::Deserialize;
 
 use crate::config::Config;
 use crate::error::{checked_product, to_usize, ModelError};
-use crate::inventory::{checkpoint_inventory, WeightKind};
+use crate::inventory::{checkpoint_inventory, expected_tensors, WeightKind};
 use crate::weights::Weights;
 
 /// Largest header accepted; real headers are well under 1 MB, and a larger
@@ -366,6 +366,55 @@ struct Index {
     weight_map: BTreeMap<String, String>,
 }
 
+/// A parsed, validated `model.safetensors.index.json`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ShardIndex {
+    /// Tensor name -> shard file name.
+    pub weight_map: BTreeMap<String, String>,
+    /// Every shard named, in name order, with the first tensor (by name)
+    /// assigned to it (the tensor reported if that shard is bad).
+    pub shards: Vec<(String, String)>,
+}
+
+/// Parses the index `text` read from `index_path` (which labels errors):
+/// it must be a JSON object with a `weight_map` of tensor -> shard, and
+/// every shard must be a plain file name, so the index cannot reach outside
+/// its directory. Pure, so it can be fuzzed.
+pub(crate) fn parse_index(index_path: &Path, text: &str) -> Result<ShardIndex, ModelError> {
+    let index: Index = serde_json::from_str(text).map_err(|source| ModelError::Json {
+        path: index_path.to_path_buf(),
+        source,
+    })?;
+    let mut first_tensor: BTreeMap<&str, &str> = BTreeMap::new();
+    for (tensor, shard) in &index.weight_map {
+        first_tensor
+            .entry(shard.as_str())
+            .or_insert(tensor.as_str());
+    }
+    let mut shards = Vec::with_capacity(first_tensor.len());
+    for (&shard, &tensor) in &first_tensor {
+        // Only plain names: an index must not reach outside its directory.
+        let plain = Path::new(shard)
+            .file_name()
+            .is_some_and(|f| f == std::ffi::OsStr::new(shard))
+            && shard != "."
+            && shard != "..";
+        if !plain {
+            return Err(ModelError::BadShard {
+                path: index_path.to_path_buf(),
+                shard: shard.to_string(),
+                tensor: tensor.to_string(),
+                reason: "is not a plain file name inside the model directory",
+            });
+        }
+        shards.push((shard.to_string(), tensor.to_string()));
+    }
+    Ok(ShardIndex {
+        weight_map: index.weight_map,
+        shards,
+    })
+}
+
 /// A checkpoint directory: one file or a set of shards, every header
 /// validated, every tensor located.
 #[derive(Debug)]
@@ -402,39 +451,18 @@ impl Checkpoint {
         }
         let text =
             std::fs::read_to_string(&index_path).map_err(|e| ModelError::io(&index_path, e))?;
-        let index: Index = serde_json::from_str(&text).map_err(|source| ModelError::Json {
-            path: index_path.clone(),
-            source,
-        })?;
-        // Shards in name order, each opened once; the first tensor naming a
-        // shard is reported if that shard is bad.
+        let index = parse_index(&index_path, &text)?;
         let mut shard_ids: BTreeMap<&str, usize> = BTreeMap::new();
-        let mut first_tensor: BTreeMap<&str, &str> = BTreeMap::new();
-        for (tensor, shard) in &index.weight_map {
-            first_tensor
-                .entry(shard.as_str())
-                .or_insert(tensor.as_str());
-        }
         let mut files = Vec::new();
-        for (&shard, &tensor) in &first_tensor {
-            let bad = |reason: &'static str| ModelError::BadShard {
-                path: index_path.clone(),
-                shard: shard.to_string(),
-                tensor: tensor.to_string(),
-                reason,
-            };
-            // Only plain names: an index must not reach outside its directory.
-            let plain = Path::new(shard)
-                .file_name()
-                .is_some_and(|f| f == std::ffi::OsStr::new(shard))
-                && shard != "."
-                && shard != "..";
-            if !plain {
-                return Err(bad("is not a plain file name inside the model directory"));
-            }
+        for (shard, tensor) in &index.shards {
             let path = dir.join(shard);
             if !path.is_file() {
-                return Err(bad("does not exist"));
+                return Err(ModelError::BadShard {
+                    path: index_path.clone(),
+                    shard: shard.clone(),
+                    tensor: tensor.clone(),
+                    reason: "does not exist",
+                });
             }
             shard_ids.insert(shard, files.len());
             files.push(SafetensorsFile::open(&path)?);
@@ -479,36 +507,9 @@ impl Checkpoint {
     /// shape and of a stageable dtype. Extra tensors are ignored, including
     /// `lm_head.weight` of a tied model.
     pub fn check(&self, config: &Config) -> Result<(), ModelError> {
-        for t in checkpoint_inventory(config)? {
-            let Some((file, entry)) = self.entry(&t.name) else {
-                return Err(if t.kind == WeightKind::LmHead {
-                    ModelError::MissingLmHead {
-                        path: self.source.clone(),
-                    }
-                } else {
-                    ModelError::MissingTensor {
-                        path: self.source.clone(),
-                        tensor: t.name,
-                    }
-                });
-            };
-            if entry.shape != t.shape {
-                return Err(ModelError::ShapeMismatch {
-                    path: file.path.clone(),
-                    tensor: t.name,
-                    expected: t.shape,
-                    found: entry.shape.clone(),
-                });
-            }
-            if entry.staged_dtype().is_none() {
-                return Err(ModelError::UnsupportedDtype {
-                    path: file.path.clone(),
-                    tensor: t.name,
-                    dtype: entry.dtype.clone(),
-                });
-            }
-        }
-        Ok(())
+        check_tensors(config, &self.source, |name| {
+            self.entry(name).map(|(f, e)| (f.path(), e))
+        })
     }
 
     /// Converts tensor `name` to bf16 into `dst` (exactly its element count).
@@ -530,6 +531,47 @@ impl Checkpoint {
         self.read_bf16_into(name, &mut v)?;
         Ok(v)
     }
+}
+
+/// The checks of [`Checkpoint::check`] over any tensor lookup (name -> the
+/// file holding it and its entry); `source` names the checkpoint in errors
+/// about absent tensors. Walks the inventory lazily, so a config claiming
+/// 10^15 layers fails on the first missing tensor instead of listing them.
+pub(crate) fn check_tensors<'a>(
+    config: &Config,
+    source: &Path,
+    lookup: impl Fn(&str) -> Option<(&'a Path, &'a TensorEntry)>,
+) -> Result<(), ModelError> {
+    for t in expected_tensors(config)? {
+        let Some((file, entry)) = lookup(&t.name) else {
+            return Err(if t.kind == WeightKind::LmHead {
+                ModelError::MissingLmHead {
+                    path: source.to_path_buf(),
+                }
+            } else {
+                ModelError::MissingTensor {
+                    path: source.to_path_buf(),
+                    tensor: t.name,
+                }
+            });
+        };
+        if entry.shape != t.shape {
+            return Err(ModelError::ShapeMismatch {
+                path: file.to_path_buf(),
+                tensor: t.name,
+                expected: t.shape,
+                found: entry.shape.clone(),
+            });
+        }
+        if entry.staged_dtype().is_none() {
+            return Err(ModelError::UnsupportedDtype {
+                path: file.to_path_buf(),
+                tensor: t.name,
+                dtype: entry.dtype.clone(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Loads a Hugging Face Qwen2.5 checkpoint directory: reads and validates

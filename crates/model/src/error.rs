@@ -182,6 +182,16 @@ pub enum ModelError {
     #[error("{origin}: chat template: {message}")]
     ChatTemplate { origin: String, message: String },
 
+    /// A chat template that hit a resource limit while rendering
+    /// (instructions, recursion depth or output size; see
+    /// [`crate::chat`]): a hostile or broken template.
+    #[error("{origin}: chat template: {what} passed the limit of {limit}")]
+    TemplateLimit {
+        origin: String,
+        what: &'static str,
+        limit: u64,
+    },
+
     /// A token id at or past the model's `vocab_size`.
     #[error("token id {token} is outside the vocabulary (vocab_size = {vocab_size})")]
     TokenOutOfVocab { token: u32, vocab_size: usize },

@@ -243,22 +243,31 @@ pub struct ExpectedTensor {
 /// when untied; a tied checkpoint may carry it and it is then ignored).
 /// Errors: an invalid config, or a size that overflows.
 pub fn checkpoint_inventory(config: &Config) -> Result<Vec<ExpectedTensor>, ModelError> {
+    Ok(expected_tensors(config)?.collect())
+}
+
+/// [`checkpoint_inventory`] as a lazy iterator, same order: a checker that
+/// stops at the first bad tensor never lists the rest (a hostile config.json
+/// may claim 10^15 layers).
+pub fn expected_tensors(
+    config: &Config,
+) -> Result<impl Iterator<Item = ExpectedTensor> + '_, ModelError> {
     config.validate()?;
-    let mut out = Vec::new();
+    let mut kinds = Vec::new();
     for kind in present_kinds(config) {
         let shape = kind.item_shape(config)?;
         // Checked here so later element counts of single items cannot wrap.
         kind.item_elems(config)?;
-        for layer in 0..kind.items(config) {
-            out.push(ExpectedTensor {
-                name: kind.checkpoint_name(layer),
-                shape: shape.clone(),
-                kind,
-                layer,
-            });
-        }
+        kinds.push((kind, shape));
     }
-    Ok(out)
+    Ok(kinds.into_iter().flat_map(move |(kind, shape)| {
+        (0..kind.items(config)).map(move |layer| ExpectedTensor {
+            name: kind.checkpoint_name(layer),
+            shape: shape.clone(),
+            kind,
+            layer,
+        })
+    }))
 }
 
 /// Every stacked weight tensor as a layout-crate spec: bf16, row-major,

@@ -1,0 +1,58 @@
+//! `qwen-mk compile`: writes the megakernel cubin for a model and an arch,
+//! for machines without NVRTC (load it with `--cubin`).
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use qmk_kernels::{Arch, Compiler, KernelBuild};
+use qmk_model::Config;
+
+#[derive(Args, Debug)]
+pub struct CompileArgs {
+    /// Model shape preset (0.5b ... 72b); or use --config.
+    #[arg(long, default_value = "0.5b", conflicts_with = "config")]
+    preset: String,
+    /// A model's config.json instead of a preset.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Target architecture: sm_80, sm_89, sm_90, ...
+    #[arg(long, default_value = "sm_90")]
+    arch: String,
+    /// Output file (default: qwen-mk-<preset>-<arch>.cubin).
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+}
+
+pub fn run(a: CompileArgs) -> Result<()> {
+    let config = match &a.config {
+        Some(p) => Config::from_file(p)?,
+        None => Config::preset(&a.preset)?,
+    };
+    let arch = Arch::parse(&a.arch)?;
+    let build = KernelBuild::new(&config)?;
+    let compiler = Compiler::new()?;
+    let cubin = compiler
+        .compile(&build, arch)
+        .with_context(|| format!("compiling the megakernel for {arch}"))?;
+    let name = a
+        .config
+        .as_ref()
+        .map_or(a.preset.clone(), |_| "config".into());
+    let out = a
+        .output
+        .unwrap_or_else(|| PathBuf::from(format!("qwen-mk-{name}-{arch}.cubin")));
+    cubin.write(&out)?;
+    println!(
+        "{}: {} bytes for {arch}, fingerprint {:#018x}, {} barriers/step, {} B dynamic smem",
+        out.display(),
+        cubin.bytes.len(),
+        build.fingerprint,
+        build.barriers_per_step,
+        build.smem_bytes
+    );
+    for r in cubin.resources() {
+        println!("  {r}");
+    }
+    Ok(())
+}
