@@ -681,6 +681,57 @@ impl Backend for CudarcBackend {
         })
     }
 
+    /// Launches one decode step per prompt token back to back and waits
+    /// once at the end (no host round trip between positions). A kernel
+    /// error in any step is the first one reported: later steps see the
+    /// claimed error at their first barrier and stop.
+    fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<StepOutput> {
+        self.usable()?;
+        if tokens.is_empty() {
+            return Err(Error::Position {
+                pos: start,
+                reason: "prefill of an empty prompt".into(),
+            });
+        }
+        for (i, &t) in tokens.iter().enumerate() {
+            // Positions after the first are in order by construction.
+            let pos = start + i;
+            if i == 0 {
+                self.check_inputs(t, pos)?;
+            } else if t as usize >= self.config.vocab_size {
+                return Err(Error::Token {
+                    token: t,
+                    vocab: self.config.vocab_size,
+                });
+            } else if pos >= self.capacity {
+                return Err(Error::Position {
+                    pos,
+                    reason: format!("the KV cache holds {} positions", self.capacity),
+                });
+            }
+        }
+        let ev = self.new_event()?;
+        let n = tokens.len();
+        let r = (|| {
+            for (i, &t) in tokens.iter().enumerate() {
+                self.launch_step(t, start + i, 0)?;
+            }
+            self.record(ev)?;
+            let deadline = self
+                .opts
+                .step_deadline
+                .saturating_mul(n.min(u32::MAX as usize) as u32);
+            self.wait(ev, deadline)
+        })();
+        // SAFETY: ev is live and no longer used.
+        let _ = unsafe { result::event::destroy(ev) };
+        r?;
+        self.next_pos = start + n;
+        Ok(StepOutput {
+            argmax: self.last_argmax,
+        })
+    }
+
     fn logits(&mut self) -> Result<Vec<f32>> {
         self.usable()?;
         let mut v = vec![0f32; self.config.vocab_size];
@@ -701,6 +752,12 @@ impl Backend for CudarcBackend {
         Ok(())
     }
 }
+
+// SAFETY: the raw driver handles (stream, module, functions, pinned host
+// pointers) belong to the context, not to a thread; every entry point (and
+// Drop) makes the context current on the calling thread first
+// (`usable()` / `bind_to_thread`). `&mut self` serialises all use.
+unsafe impl Send for CudarcBackend {}
 
 impl Drop for CudarcBackend {
     fn drop(&mut self) {

@@ -157,6 +157,27 @@ fn logits_are_bit_identical_across_runs_and_a_hang_becomes_an_error() {
     let c = run(&mut b);
     assert!(a == c, "logits differ between two identical runs");
     println!("determinism: 12 steps bit-identical across two runs");
+
+    // Prefill (steps launched back to back, one wait) = step by step.
+    b.reset().unwrap();
+    let mut last = 0;
+    for (pos, &t) in PROMPT.iter().enumerate() {
+        last = b.step(t, pos).unwrap().argmax;
+    }
+    let stepped = b.logits().unwrap();
+    b.reset().unwrap();
+    let out = b.prefill(&PROMPT, 0).unwrap();
+    assert_eq!(out.argmax, last);
+    assert!(
+        b.logits().unwrap() == stepped,
+        "prefill logits differ from step-by-step"
+    );
+    let next = b.step(out.argmax, PROMPT.len()).unwrap();
+    println!(
+        "prefill of {} tokens = step by step (bit-identical); next pick {}",
+        PROMPT.len(),
+        next.argmax
+    );
     let bars = b.barriers_last_step().unwrap();
     println!("barriers in the last step: {bars}");
     assert_eq!(bars, b.kernel_build().barriers_per_step);

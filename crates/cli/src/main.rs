@@ -4,9 +4,9 @@
 
 mod backend;
 mod bench;
-mod compile;
 mod chat;
 mod common;
+mod compile;
 mod download;
 mod generate;
 mod gpu;

@@ -98,6 +98,12 @@ pub const RECURSION_LIMIT: usize = 100;
 pub const MAX_RENDER_BYTES: usize = 64 << 20;
 /// Largest indent width `indent` and `tojson` accept.
 pub const MAX_INDENT: usize = 256;
+/// Most items a filter may be given (a `[x] * 10**12` sequence costs nothing
+/// until a filter materialises it), and the largest `slice` / `batch` count.
+pub const MAX_FILTER_ITEMS: usize = 1_000_000;
+/// Largest width or precision in a `format` string (`'%099999999999d'`
+/// would allocate 100 GB in one instruction).
+pub const MAX_FORMAT_WIDTH: usize = 4096;
 
 impl ChatTemplate {
     /// Finds the template in a model directory (see the module docs for the
@@ -157,11 +163,17 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_keep_trailing_newline(false);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(|state, value, method, args| {
+            if method == "format" || method == "replace" || method == "join" {
+                check_call(method, Some(value).into_iter().chain(args))?;
+            }
+            minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+        });
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
         env.add_filter("indent", indent);
+        guard_builtin_filters(&mut env);
         env.set_fuel(Some(RENDER_FUEL));
         env.set_recursion_limit(RECURSION_LIMIT);
         env.add_template_owned(TEMPLATE_NAME, source.clone())
@@ -296,6 +308,106 @@ impl std::io::Write for CappedWriter {
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+}
+
+/// minijinja's built-in filters that materialise or walk a whole sequence
+/// (or allocate a caller-given count, or format), each wrapped to check its
+/// arguments with [`check_call`] first.
+fn guard_builtin_filters(env: &mut Environment<'static>) {
+    use minijinja::filters as f;
+    let builtins: [(&'static str, Value); 24] = [
+        ("dictsort", Value::from_function(f::dictsort)),
+        ("items", Value::from_function(f::items)),
+        ("reverse", Value::from_function(f::reverse)),
+        ("join", Value::from_function(f::join)),
+        ("replace", Value::from_function(f::replace)),
+        ("sum", Value::from_function(f::sum)),
+        ("last", Value::from_function(f::last)),
+        ("min", Value::from_function(f::min)),
+        ("max", Value::from_function(f::max)),
+        ("sort", Value::from_function(f::sort)),
+        ("list", Value::from_function(f::list)),
+        ("string", Value::from_function(f::string)),
+        ("slice", Value::from_function(f::slice)),
+        ("batch", Value::from_function(f::batch)),
+        ("select", Value::from_function(f::select)),
+        ("selectattr", Value::from_function(f::selectattr)),
+        ("reject", Value::from_function(f::reject)),
+        ("rejectattr", Value::from_function(f::rejectattr)),
+        ("map", Value::from_function(f::map)),
+        ("groupby", Value::from_function(f::groupby)),
+        ("unique", Value::from_function(f::unique)),
+        ("pprint", Value::from_function(f::pprint)),
+        ("format", Value::from_function(f::format)),
+        ("lines", Value::from_function(f::lines)),
+    ];
+    for (name, builtin) in builtins {
+        env.add_filter(
+            name,
+            move |state: &minijinja::State, args: minijinja::value::Rest<Value>| {
+                check_call(name, args.iter())?;
+                builtin.call(state, &args)
+            },
+        );
+    }
+}
+
+/// Refuses a filter or method call whose arguments would make minijinja
+/// allocate without bound in one instruction: more than
+/// [`MAX_FILTER_ITEMS`] items, a `slice` / `batch` count past it, a
+/// `format` width past [`MAX_FORMAT_WIDTH`], a `replace` whose result would
+/// pass [`MAX_RENDER_BYTES`].
+fn check_call<'a>(name: &str, args: impl Iterator<Item = &'a Value>) -> Result<(), JinjaError> {
+    let refuse = |what: String| Err(JinjaError::new(ErrorKind::InvalidOperation, what));
+    let args: Vec<&Value> = args.collect();
+    for v in &args {
+        if matches!(
+            v.kind(),
+            ValueKind::Seq | ValueKind::Iterable | ValueKind::Map
+        ) {
+            if let Some(n) = v.len().filter(|&n| n > MAX_FILTER_ITEMS) {
+                return refuse(format!(
+                    "`{name}` given {n} items (at most {MAX_FILTER_ITEMS})"
+                ));
+            }
+        }
+    }
+    match name {
+        "slice" | "batch" => {
+            if let Some(n) = args.get(1).and_then(|v| v.as_usize()) {
+                if n > MAX_FILTER_ITEMS {
+                    return refuse(format!("`{name}` count {n} exceeds {MAX_FILTER_ITEMS}"));
+                }
+            }
+        }
+        "format" => {
+            let fmt = args.first().and_then(|v| v.as_str()).unwrap_or("");
+            // Any number in the format string bounds width and precision.
+            for digits in fmt.split(|c: char| !c.is_ascii_digit()) {
+                let too_wide = !digits.is_empty()
+                    && (digits.len() > 9
+                        || digits.parse::<usize>().unwrap_or(0) > MAX_FORMAT_WIDTH);
+                if too_wide {
+                    return refuse(format!("format width {digits} exceeds {MAX_FORMAT_WIDTH}"));
+                }
+            }
+        }
+        "replace" => {
+            let len = |i: usize| args.get(i).and_then(|v| v.as_str()).map_or(0, str::len);
+            let (text, from, to) = (len(0), len(1), len(2));
+            // At most text/from matches (text + 1 insertions for an empty
+            // pattern), each adding `to` bytes.
+            let matches = if from == 0 { text + 1 } else { text / from };
+            let worst = matches.saturating_mul(to).saturating_add(text);
+            if worst > MAX_RENDER_BYTES {
+                return refuse(format!(
+                    "`replace` could produce {worst} bytes (at most {MAX_RENDER_BYTES})"
+                ));
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// An indent width from a template, refused past [`MAX_INDENT`].
@@ -514,6 +626,7 @@ fn civil_from_days(z: i64) -> (i64, i64, i64) {
 /// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=indent,
 /// separators=separators, sort_keys=sort_keys)`.
 fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<String, JinjaError> {
+    check_call("tojson", std::iter::once(value))?;
     let indent = match indent {
         Some(v) => Some(v),
         None => kwargs.get::<Option<Value>>("indent")?,
@@ -581,6 +694,7 @@ impl PyJson {
             }
             ValueKind::String => self.write_str(v.as_str().unwrap_or(""), out),
             ValueKind::Map => {
+                check_call("tojson", std::iter::once(v))?;
                 let mut keys: Vec<Value> = v.try_iter()?.collect();
                 if self.sort_keys {
                     keys.sort();
@@ -603,6 +717,7 @@ impl PyJson {
                 })?;
             }
             ValueKind::Seq | ValueKind::Iterable => {
+                check_call("tojson", std::iter::once(v))?;
                 let items: Vec<Value> = v.try_iter()?.collect();
                 self.write_container('[', ']', items.len(), depth, out, |i, d, out| {
                     self.write(&items[i], d, out)

@@ -340,7 +340,7 @@ impl SafetensorsFile {
 }
 
 /// Converts little-endian `src` of `dtype` into bf16 `dst` (same count).
-fn stage_block(dtype: DType, src: &[u8], dst: &mut [bf16]) {
+pub(crate) fn stage_block(dtype: DType, src: &[u8], dst: &mut [bf16]) {
     match dtype {
         DType::BF16 => {
             for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {

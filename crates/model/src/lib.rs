@@ -6,6 +6,8 @@ pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod inventory;
 pub mod reference;
 pub mod synthetic;

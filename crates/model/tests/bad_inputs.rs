@@ -1,0 +1,268 @@
+//! DESIGN.md section 5 cases the unit tests of config.rs, checkpoint.rs,
+//! chat.rs and reference/ did not cover yet (docs/hardening.md has the
+//! whole table): each expects a typed `ModelError` whose message names the
+//! file, tensor or field at fault.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use qmk_layout::DType;
+use qmk_model::chat::{ChatTemplate, Message, MAX_INDENT, MAX_RENDER_BYTES, RECURSION_LIMIT};
+use qmk_model::checkpoint::save_checkpoint;
+use qmk_model::fuzzing::tiny_config;
+use qmk_model::tokenizer::Tokenizer;
+use qmk_model::{load_weights, synthetic_weights, ModelError};
+
+fn assert_names(e: &ModelError, parts: &[&str]) {
+    let msg = e.to_string();
+    for p in parts {
+        assert!(msg.contains(p), "`{msg}` should name `{p}`");
+    }
+}
+
+#[test]
+fn malformed_tokenizer_json_names_the_file() {
+    for bytes in [
+        &b"{ not json"[..],
+        b"",
+        b"[]",
+        b"{\"model\": 3}",
+        &[0xff, 0xfe, 0],
+    ] {
+        let e = Tokenizer::from_bytes_named(bytes, "/m/tokenizer.json").unwrap_err();
+        assert!(matches!(e, ModelError::Tokenizer { .. }), "{e}");
+        assert_names(&e, &["/m/tokenizer.json", "malformed tokenizer.json"]);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokenizer.json"), "{\"version\": \"1.0\"").unwrap();
+    let e = Tokenizer::from_dir(dir.path()).unwrap_err();
+    assert!(matches!(e, ModelError::Tokenizer { .. }), "{e}");
+    assert_names(&e, &["tokenizer.json"]);
+}
+
+#[test]
+fn missing_tokenizer_json_names_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Tokenizer::from_dir(dir.path()).unwrap_err();
+    assert!(matches!(e, ModelError::Tokenizer { .. }), "{e}");
+    assert_names(&e, &["tokenizer.json", "cannot read"]);
+}
+
+/// A config.json claiming 2^50 layers over a 2-layer checkpoint: the check
+/// stops at the first missing layer instead of listing 12 x 2^50 names
+/// first (which ran out of memory before the inventory check was lazy).
+#[test]
+fn config_claiming_2_pow_50_layers_fails_fast_naming_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = synthetic_weights(&tiny_config(true), 1);
+    save_checkpoint(dir.path(), &w, DType::BF16, None).unwrap();
+    let mut c = tiny_config(true);
+    c.num_hidden_layers = 1 << 50;
+    std::fs::write(
+        dir.path().join("config.json"),
+        serde_json::to_string(&c).unwrap(),
+    )
+    .unwrap();
+    let t = Instant::now();
+    let e = load_weights(dir.path()).map(|_| ()).unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert!(matches!(e, ModelError::MissingTensor { .. }), "{e}");
+    assert_names(
+        &e,
+        &["model.safetensors", "model.layers.2.input_layernorm.weight"],
+    );
+}
+
+// ---- chat templates from the internet: bounded time and output -------------
+
+fn template(src: &str) -> ChatTemplate {
+    ChatTemplate::new(src, "/m/chat_template.jinja", BTreeMap::new()).unwrap()
+}
+
+fn render_err(src: &str) -> (ModelError, Duration) {
+    let t = Instant::now();
+    let e = template(src)
+        .render(&[Message::user("hi\nthere")], true)
+        .map(|s| s.len())
+        .unwrap_err();
+    (e, t.elapsed())
+}
+
+fn assert_limit(e: &ModelError, expect: &str) {
+    match e {
+        ModelError::TemplateLimit { what, origin, .. } => {
+            assert!(what.contains(expect), "{e}");
+            assert_eq!(origin, "/m/chat_template.jinja");
+        }
+        other => panic!("expected TemplateLimit ({expect}), got {other:?}"),
+    }
+    assert_names(e, &["/m/chat_template.jinja", "chat template", expect]);
+}
+
+#[test]
+fn template_recursing_through_macros_hits_the_recursion_limit() {
+    let (e, took) = render_err("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}");
+    assert_limit(&e, "recursion depth");
+    assert_names(&e, &[&RECURSION_LIMIT.to_string()]);
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    // Mutual recursion too.
+    let (e, _) = render_err(
+        "{% macro a(n) %}{{ b(n) }}{% endmacro %}{% macro b(n) %}{{ a(n) }}{% endmacro %}{{ a(0) }}",
+    );
+    assert_limit(&e, "recursion depth");
+}
+
+#[test]
+fn template_looping_1e9_times_runs_out_of_fuel() {
+    for src in [
+        "{% for x in ['a'] * 1000000000 %}{% endfor %}",
+        "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}",
+    ] {
+        let (e, took) = render_err(src);
+        assert_limit(&e, "instructions");
+        assert!(took < Duration::from_secs(20), "{src}: {took:?}");
+    }
+}
+
+#[test]
+fn template_building_huge_output_is_refused() {
+    // One 10^9-byte string: minijinja refuses repeats past 10^8 bytes.
+    let (e, took) = render_err("{{ 'x' * 10**9 }}");
+    assert!(matches!(e, ModelError::ChatTemplate { .. }), "{e}");
+    assert_names(&e, &["/m/chat_template.jinja", "too large"]);
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    // 100 MB written in 1000-byte pieces: the output cap.
+    let (e, _) = render_err("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}");
+    assert_limit(&e, "rendered bytes");
+    assert_names(&e, &[&MAX_RENDER_BYTES.to_string()]);
+    // Just under the cap renders.
+    let n = MAX_RENDER_BYTES / 1000;
+    let s = template(&format!(
+        "{{% for i in range({n}) %}}{{{{ 'x' * 1000 }}}}{{% endfor %}}"
+    ))
+    .render(&[], false);
+    // range() itself stops at 10^5 items; either way no panic, no blow-up.
+    match s {
+        Ok(s) => assert_eq!(s.len(), n * 1000),
+        Err(e) => assert!(matches!(e, ModelError::ChatTemplate { .. }), "{e}"),
+    }
+}
+
+#[test]
+fn template_asking_for_huge_indent_widths_is_refused() {
+    for src in [
+        "{{ messages[0].content | indent(1000000000000) }}",
+        "{{ messages[0].content | indent(width=1000000000000, first=true) }}",
+        "{{ messages | tojson(indent=1000000000000) }}",
+    ] {
+        let (e, took) = render_err(src);
+        assert!(matches!(e, ModelError::ChatTemplate { .. }), "{src}: {e}");
+        assert_names(&e, &["/m/chat_template.jinja", "indent width"]);
+        assert!(took < Duration::from_secs(1), "{took:?}");
+    }
+    // Sensible widths behave as minijinja's own indent.
+    let t = template(&format!(
+        "{{{{ 'a\\nb\\n\\nc\\n' | indent({MAX_INDENT}) | length }}}}|{{{{ 'a\\n\\nb' | indent(2, true, true) }}}}"
+    ));
+    let out = t.render(&[], false).unwrap();
+    let expect_len = 1 + 1 + MAX_INDENT + 1 + 1 + 1 + MAX_INDENT + 1;
+    assert_eq!(out, format!("{expect_len}|  a\n  \n  b"));
+}
+
+/// One minijinja instruction that would allocate gigabytes (or abort the
+/// process) is refused, or a minijinja panic is caught.
+#[test]
+fn template_calls_that_would_allocate_without_bound_are_refused() {
+    for (src, needle) in [
+        ("{{ (['x'] * 10**12) | map('upper') | list }}", "items"),
+        ("{{ (['x'] * 10**12) | join }}", "items"),
+        ("{{ (['x'] * 10**12) | tojson }}", "items"),
+        ("{{ {'a': [['x'] * 10**12]} | tojson }}", "items"),
+        ("{{ ', '.join(['x'] * 10**12) }}", "items"),
+        ("{{ [1] | slice(10**12) | list }}", "count"),
+        ("{{ [1] | batch(10**12, 'x') | list }}", "count"),
+        ("{{ '%099999999999d' | format(1) }}", "format width"),
+        ("{{ '{:>99999999999}'.format(1) }}", "format width"),
+        ("{{ ('x' * 10**7) | replace('', 'y' * 100) }}", "replace"),
+        ("{{ ('x' * 10**7).replace('', 'y' * 100) }}", "replace"),
+        (
+            "{{ (range(10) * 4611686018427387904) | length }}",
+            "render failed",
+        ),
+    ] {
+        let (e, took) = render_err(src);
+        assert!(matches!(e, ModelError::ChatTemplate { .. }), "{src}: {e}");
+        assert_names(&e, &["/m/chat_template.jinja", needle]);
+        assert!(took < Duration::from_secs(5), "{src}: {took:?}");
+    }
+}
+
+/// The guarded filters and methods give what minijinja's own give.
+#[test]
+fn guarded_filters_behave_like_minijinjas() {
+    let src = "{{ messages | map(attribute='role') | join(', ') }}|\
+               {{ messages | selectattr('role', 'equalto', 'user') | list | length }}|\
+               {{ [3, 1, 2] | sort | list }}|{{ [3, 1, 2] | sort(reverse=true) | first }}|\
+               {{ {'b': 1, 'a': 2} | dictsort }}|{{ [1, 2, 3] | batch(2, 0) | list }}|\
+               {{ [1, 2, 3] | slice(2) | list }}|{{ '%05d' | format(42) }}|\
+               {{ '{:>4}'.format('a') }}|{{ 'a-b' | replace('-', '+') }}|\
+               {{ 'a-b'.replace('-', '+') }}|{{ ', '.join(['x', 'y']) }}|\
+               {{ [1, 1, 2] | unique | list }}|{{ [1, 2] | reverse | list }}|\
+               {{ [1, 2] | sum }}|{{ [1, 2] | last }}|{{ 'a\nb' | lines | list }}|\
+               {{ messages | groupby('role') | length }}";
+    let msgs = [Message::user("a"), Message::assistant("b")];
+    let ours = template(src).render(&msgs, false).unwrap();
+    let mut env = minijinja::Environment::new();
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    let theirs = env
+        .render_str(
+            src,
+            minijinja::context! { messages => msgs, add_generation_prompt => false },
+        )
+        .unwrap();
+    assert_eq!(ours, theirs);
+    assert!(ours.starts_with("user, assistant|1|[1, 2, 3]|3|"), "{ours}");
+}
+
+#[test]
+fn template_that_does_not_compile_names_its_file() {
+    let e = ChatTemplate::new("{% for %}", "/m/chat_template.jinja", BTreeMap::new()).unwrap_err();
+    assert!(matches!(e, ModelError::ChatTemplate { .. }), "{e}");
+    assert_names(&e, &["/m/chat_template.jinja", "does not compile"]);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokenizer_config.json"), "{ nope").unwrap();
+    let e = ChatTemplate::from_dir(dir.path()).unwrap_err();
+    assert!(matches!(e, ModelError::ChatTemplate { .. }), "{e}");
+    assert_names(&e, &["tokenizer_config.json", "invalid JSON"]);
+    std::fs::write(dir.path().join("tokenizer_config.json"), "{}").unwrap();
+    std::fs::write(
+        dir.path().join("chat_template.json"),
+        "{\"chat_template\": 7}",
+    )
+    .unwrap();
+    let e = ChatTemplate::from_dir(dir.path()).unwrap_err();
+    assert_names(&e, &["chat_template.json", "neither a string"]);
+}
+
+/// The limits leave real use alone: Qwen2.5's template over a conversation
+/// of 20,000 messages (far more than any context holds) renders.
+#[test]
+fn real_template_renders_a_very_long_conversation_within_the_limits() {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/qwen-tokenizer");
+    let Ok(src) = std::fs::read_to_string(path.join("chat_template.jinja")) else {
+        eprintln!("SKIP: no tokenizer fixture at {}", path.display());
+        return;
+    };
+    let t = ChatTemplate::new(src, "chat_template.jinja", BTreeMap::new()).unwrap();
+    let mut msgs = vec![Message::system("You are helpful.")];
+    for i in 0..10_000 {
+        msgs.push(Message::user(format!("question {i}")));
+        msgs.push(Message::assistant(format!("answer {i}")));
+    }
+    let t0 = Instant::now();
+    let out = t.render(&msgs, true).unwrap();
+    assert!(out.contains("answer 9999"));
+    println!("20,001 messages rendered in {:?}", t0.elapsed());
+}
