@@ -24,13 +24,19 @@
 //!    items, nested loops);
 //! 6. at most [`RECURSION_LIMIT`] nested macro calls / includes;
 //! 7. at most [`MAX_RENDER_BYTES`] of output;
-//! 8. `indent` and `tojson(indent=...)` widths at most [`MAX_INDENT`];
+//! 8. no single filter or method call allocates without bound: `indent` and
+//!    `tojson(indent=...)` widths at most [`MAX_INDENT`]; sequence filters
+//!    (`list`, `map`, `join`, `sort`, `tojson`, ...) given at most
+//!    [`MAX_FILTER_ITEMS`] items (`['x'] * 10**12` is lazy until then);
+//!    `slice` / `batch` counts at most that; `format` widths at most
+//!    [`MAX_FORMAT_WIDTH`]; `replace` results at most [`MAX_RENDER_BYTES`].
 //!    minijinja itself refuses a `string * n` longer than 10^8 bytes and a
 //!    `range` of more than 10^5 items;
 //! 9. a panic inside the template engine becomes an error.
 //!
-//! Not bounded: memory of intermediate values a template builds without
-//! writing them (e.g. repeated `s ~ s`), which minijinja offers no hook for.
+//! Not bounded: memory of intermediate strings a template grows step by
+//! step without writing them (`{% set ns.s = ns.s ~ ns.s %}` in a loop
+//! doubles each time): minijinja offers no hook on `~` and `+`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -397,7 +403,7 @@ fn check_call<'a>(name: &str, args: impl Iterator<Item = &'a Value>) -> Result<(
             let (text, from, to) = (len(0), len(1), len(2));
             // At most text/from matches (text + 1 insertions for an empty
             // pattern), each adding `to` bytes.
-            let matches = if from == 0 { text + 1 } else { text / from };
+            let matches = text.checked_div(from).unwrap_or(text + 1);
             let worst = matches.saturating_mul(to).saturating_add(text);
             if worst > MAX_RENDER_BYTES {
                 return refuse(format!(
