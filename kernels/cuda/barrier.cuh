@@ -5,6 +5,11 @@
 // where `base` is what the previous launch left in SyncState::base. Every
 // wait is bounded: it gives up when Params::spin_timeout_ns passes, when the
 // host raises HostStatus::abort, or when another CTA has claimed an error.
+//
+// Default (v1.2): thread 0 arrives with red.release.gpu after bar.sync and
+// polls with ld.acquire.gpu (release/acquire through the CTA barrier are
+// cumulative in the PTX memory model); kFlagBarrierFenced restores the v1
+// __threadfence + atomicAdd + __threadfence form for A/B measurements.
 #pragma once
 
 namespace qmk {
@@ -43,7 +48,7 @@ struct GridBarrier {
             const volatile HostStatus* st = reinterpret_cast<const volatile HostStatus*>(p.status);
             const u64 target = base + (u64)count * (u64)gridDim.x;
             int ok = 1;
-            const bool relacq = (p.flags & kFlagBarrierRelAcq) != 0;
+            const bool relacq = (p.flags & kFlagBarrierFenced) == 0;
             const bool hang = (p.flags & kFlagDebugHang) && count == 1 && blockIdx.x + 1 == gridDim.x;
             if (relacq) {
                 // Release at gpu scope orders this CTA's writes (made visible

@@ -60,9 +60,10 @@ constexpr u32 kFlagTokenFromArgmax = 1u;
 // Test hook: the last CTA skips its arrival at the first barrier, a real
 // hang that every other spin-wait must turn into an error.
 constexpr u32 kFlagDebugHang = 2u;
-// Barrier variant: arrive with atom.add.release.gpu and poll with
-// ld.acquire.gpu only (no __threadfence pair). Measured against the default.
-constexpr u32 kFlagBarrierRelAcq = 4u;
+// Measurement only: the old fenced barrier (__threadfence + atomicAdd, poll,
+// __threadfence) instead of the default red.release.gpu arrive +
+// ld.acquire.gpu poll.
+constexpr u32 kFlagBarrierFenced = 4u;
 // Profiling: bits kSkipShift.. skip phases (qkv, attention, o_proj, gate_up,
 // down, lm_head) while keeping every barrier; time(full) - time(skip X)
 // is what X costs. Results are garbage in these runs.

@@ -9,7 +9,10 @@
 //!   allocation per planned chunk) and the host bytes of each chunk;
 //! - [`Buffer`] / [`set_buffer`] / [`base_params`]: filling [`KernelParams`];
 //! - [`LaunchInfo::from_occupancy`]: the cooperative grid;
-//! - [`status`]: word indices of [`HostStatus`] in mapped host memory;
+//! - [`status`], [`status_in_mapped_memory`]: word indices of the
+//!   [`HostStatus`] block and where it lives (device memory by default,
+//!   mapped pinned host memory with `QMK_STATUS_MAPPED=1`);
+//! - [`DeviceInfo`]: one CUDA device as a backend sees it;
 //! - [`Progress`], [`BenchOptions`], [`BenchReport`], [`median`],
 //!   [`percentile`], [`bench_bytes_per_step`]: upload progress and the
 //!   decode benchmark's statistics;
@@ -46,6 +49,10 @@ pub struct GpuOptions {
     pub step_deadline: Duration,
     /// Cap on CTAs per SM (default: what the occupancy API allows).
     pub ctas_per_sm: Option<u32>,
+    /// Compile the kernel with this split plan instead of the planner's
+    /// (tests force a plan made for another offset model to show the
+    /// 32-bit trap in a real decode; see crates/backend-cust/tests/scale.rs).
+    pub plan: Option<qmk_layout::ModelPlan>,
 }
 
 impl Default for GpuOptions {
@@ -57,6 +64,7 @@ impl Default for GpuOptions {
             spin_timeout: Duration::from_secs(2),
             step_deadline: Duration::from_secs(30),
             ctas_per_sm: None,
+            plan: None,
         }
     }
 }
@@ -75,7 +83,36 @@ pub trait Progress {
 /// No progress reporting.
 impl Progress for () {}
 
-/// Word (u32) indices of the [`HostStatus`] fields in mapped host memory.
+/// One CUDA device as a backend sees it (each backend fills it through its
+/// own driver binding).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub arch: crate::Arch,
+    pub sms: u32,
+    pub total_mem: u64,
+    /// Filled in by the backend once a context exists (0 before).
+    pub free_mem: u64,
+    /// Largest dynamic shared memory a CTA may opt into, bytes.
+    pub max_smem_optin: u32,
+    pub cooperative: bool,
+}
+
+/// The environment variable that moves the status block from device memory
+/// (the default: the host reads it with a copy after the step and raises
+/// `abort` with an async copy on a second stream) to pinned host memory
+/// mapped into the device (no copies; needs working zero-copy access).
+pub const STATUS_MAPPED_ENV: &str = "QMK_STATUS_MAPPED";
+
+/// `true` when [`STATUS_MAPPED_ENV`] is `1`: the backend allocates the
+/// status block in mapped host memory instead of device memory.
+pub fn status_in_mapped_memory() -> bool {
+    std::env::var(STATUS_MAPPED_ENV).as_deref() == Ok("1")
+}
+
+/// Word (u32) indices of the [`HostStatus`] fields in the status block
+/// (device memory or mapped host memory, see [`status_in_mapped_memory`]).
 pub mod status {
     use super::*;
     pub const ABORT: usize = offset_of!(HostStatus, abort) / 4;
@@ -231,16 +268,18 @@ pub struct MemoryPlan {
     pub total_bytes: u64,
 }
 
+/// Largest layer of one KV cache the kernel's 32-bit in-layer offsets
+/// address, in bytes.
+pub const MAX_KV_LAYER_BYTES: u64 = 1 << 32;
+
 impl MemoryPlan {
     /// Sizes every allocation for `config` with a `capacity`-position KV
-    /// cache and a grid of `grid` CTAs.
+    /// cache and a grid of `grid` CTAs, and refuses a KV layer past
+    /// [`MAX_KV_LAYER_BYTES`].
     pub fn new(config: &Config, capacity: u32, grid: u32) -> Result<MemoryPlan> {
-        let wb = qmk_model::weight_bytes(config)?;
-        let cap = u64::from(capacity);
-        let kv_dim = config.kv_dim() as u64;
-        let layers = config.num_hidden_layers as u64;
-        let kv_layer = mul(mul(cap, kv_dim, "a KV-cache layer")?, 2, "a KV-cache layer")?;
-        if kv_layer > 1 << 32 {
+        let plan = MemoryPlan::sizes(config, capacity, grid)?;
+        let kv_layer = plan.kv_layer_bytes;
+        if kv_layer > MAX_KV_LAYER_BYTES {
             return Err(KernelsError::Config {
                 field: "kv_capacity",
                 reason: format!(
@@ -249,6 +288,18 @@ impl MemoryPlan {
                 ),
             });
         }
+        Ok(plan)
+    }
+
+    /// The sizes alone (every one checked for overflow), without the limit
+    /// [`MemoryPlan::new`] puts on `kv_layer_bytes`: for a backend that
+    /// reports that limit in its own words.
+    pub fn sizes(config: &Config, capacity: u32, grid: u32) -> Result<MemoryPlan> {
+        let wb = qmk_model::weight_bytes(config)?;
+        let cap = u64::from(capacity);
+        let kv_dim = config.kv_dim() as u64;
+        let layers = config.num_hidden_layers as u64;
+        let kv_layer = mul(mul(cap, kv_dim, "a KV-cache layer")?, 2, "a KV-cache layer")?;
         let kv = mul(kv_layer, layers, "the KV cache")?;
         let half = config.head_dim() as u64 / 2;
         let rope = mul(mul(cap, half, "the rope table")?, 4, "the rope table")?;
@@ -602,6 +653,7 @@ mod tests {
             (0, 1, 6, 7)
         );
         assert_eq!(status::WORDS, 8);
+        assert_eq!(STATUS_MAPPED_ENV, "QMK_STATUS_MAPPED");
     }
 
     #[test]
@@ -624,8 +676,13 @@ mod tests {
         assert_eq!(plan.rope_table_bytes, 4096 * 32 * 4);
         assert!(plan.total_bytes > plan.weight_bytes + 2 * plan.kv_cache_bytes);
         // A KV layer past 4 GiB is refused, naming the capacity.
-        let e = MemoryPlan::new(&Config::preset("72b").unwrap(), u32::MAX, 132).unwrap_err();
+        let big = Config::preset("72b").unwrap();
+        let e = MemoryPlan::new(&big, u32::MAX, 132).unwrap_err();
         assert!(e.to_string().contains("kv_capacity"), "{e}");
+        // `sizes` leaves that limit to the caller.
+        let sized = MemoryPlan::sizes(&big, u32::MAX, 132).unwrap();
+        assert!(sized.kv_layer_bytes > MAX_KV_LAYER_BYTES);
+        assert_eq!(MemoryPlan::sizes(&config, 4096, 132).unwrap(), plan);
     }
 
     fn tiny(tied: bool) -> Config {

@@ -22,9 +22,10 @@ pub const FLAG_TOKEN_FROM_ARGMAX: u32 = 1;
 /// error).
 pub const FLAG_DEBUG_HANG: u32 = 2;
 
-/// [`KernelParams::flags`]: grid barrier with `red.release` / `ld.acquire`
-/// instead of `__threadfence` + `atomicAdd` (an experiment; see NOTES.md).
-pub const FLAG_BARRIER_RELACQ: u32 = 4;
+/// [`KernelParams::flags`], measurement only: the old fenced grid barrier
+/// (`__threadfence` + `atomicAdd`) instead of the default `red.release` /
+/// `ld.acquire` one (NOTES.md, v1.2).
+pub const FLAG_BARRIER_FENCED: u32 = 4;
 
 /// [`KernelParams::flags`], profiling: `(mask << SKIP_SHIFT)` skips phases
 /// (bit 0 qkv, 1 attention, 2 o_proj, 3 gate/up, 4 down, 5 lm_head) and keeps
@@ -209,7 +210,7 @@ pub fn params_check_header() -> String {
         "static_assert(QMK_MAX_CHUNKS == {MAX_CHUNKS}, \"QMK_MAX_CHUNKS differs from Rust MAX_CHUNKS\");\n"
     ));
     out.push_str(&format!(
-        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagBarrierRelAcq == {FLAG_BARRIER_RELACQ}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n"
+        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagBarrierFenced == {FLAG_BARRIER_FENCED}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n"
     ));
     out.push_str(&format!(
         "static_assert(qmk::kErrBarrierTimeout == {}u && qmk::kErrAborted == {}u && qmk::kErrBadToken == {}u && qmk::kErrBadPos == {}u, \"error codes differ\");\n",

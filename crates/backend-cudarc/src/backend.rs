@@ -1,57 +1,38 @@
 //! The megakernel on the cudarc driver bindings.
+//!
+//! The binding-independent parts (options, launch shape, memory plan,
+//! weight staging order, parameter block) come from [`qmk_kernels::host`],
+//! shared with `qmk-backend-cust`.
 
 use std::ffi::{c_void, CString};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
-use half::bf16;
 use qmk_engine::{Backend, BackendKind, StepOutput};
-use qmk_kernels::params::{err, phase_name};
+use qmk_kernels::host::{
+    base_params, duration_ns, set_buffer, tie_embeddings, weight_chunks, Buffer, GpuOptions,
+    LaunchInfo, MemoryPlan, ABORT_GRACE, MAX_KV_LAYER_BYTES, UPLOAD_PIECE_BYTES,
+};
+use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG};
 use qmk_kernels::{
-    source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, Resources, SyncState,
+    source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, KernelsError, Resources,
     THREADS_PER_CTA,
 };
-use qmk_model::{Config, WeightKind, Weights};
+use qmk_model::{Config, Weights};
 
 use crate::device::{device_info, DeviceInfo};
 use crate::error::{is_sticky, Error, Result};
 use crate::mem::{DeviceBuffer, StatusBlock};
 
-/// How a [`CudarcBackend`] is set up.
-#[derive(Debug, Clone)]
-pub struct Options {
-    /// CUDA device ordinal.
-    pub device: usize,
-    /// KV cache positions (the context length).
-    pub capacity: usize,
-    /// Load this cubin (written by `qwen-mk compile`) instead of running
-    /// NVRTC.
-    pub cubin: Option<PathBuf>,
-    /// Budget of every spin-wait inside the kernel.
-    pub spin_timeout: Duration,
-    /// Host-side deadline of one decode step; past it the host raises the
-    /// kernel's abort flag and reports a timeout.
-    pub step_deadline: Duration,
-    /// Cap on CTAs per SM (default: what the occupancy API allows).
-    pub ctas_per_sm: Option<u32>,
-}
-
-impl Default for Options {
-    fn default() -> Self {
-        Options {
-            device: 0,
-            capacity: 4096,
-            cubin: None,
-            spin_timeout: Duration::from_secs(2),
-            step_deadline: Duration::from_secs(30),
-            ctas_per_sm: None,
-        }
-    }
-}
+/// How a [`CudarcBackend`] is set up (shared with the cust backend).
+pub type Options = GpuOptions;
 
 /// Upload progress (weights can be tens of GB).
+///
+/// The same methods as [`qmk_kernels::host::Progress`], but still this
+/// crate's own trait: downstream code implements both backends' traits for
+/// one type, which one shared trait would make a conflicting impl.
 pub trait Progress {
     fn begin(&mut self, _what: &str, _total_bytes: u64) {}
     fn advance(&mut self, _bytes: u64) {}
@@ -60,18 +41,6 @@ pub trait Progress {
 
 /// No progress reporting.
 impl Progress for () {}
-
-/// The cooperative launch shape.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LaunchInfo {
-    pub grid: u32,
-    pub block: u32,
-    pub ctas_per_sm: u32,
-    /// What the occupancy API allows.
-    pub max_ctas_per_sm: u32,
-    pub smem_bytes: u32,
-    pub registers: u32,
-}
 
 pub(crate) struct Functions {
     pub step: sys::CUfunction,
@@ -98,9 +67,11 @@ pub struct CudarcBackend {
     pub(crate) debug_flags: u32,
     pub(crate) last_argmax: u32,
     pub(crate) opts: Options,
+    pub(crate) memory: MemoryPlan,
     pub(crate) status: StatusBlock,
     pub(crate) sync: DeviceBuffer,
     pub(crate) logits: DeviceBuffer,
+    /// Weight bytes one decode step reads (`memory.weight_bytes_per_step`).
     pub(crate) weight_bytes: u64,
     _buffers: Vec<DeviceBuffer>,
     module: sys::CUmodule,
@@ -120,13 +91,26 @@ fn drv(call: &'static str) -> impl FnOnce(DriverError) -> Error {
     }
 }
 
-fn checked_mul(a: u64, b: u64, what: &str) -> Result<u64> {
-    a.checked_mul(b)
-        .ok_or_else(|| Error::Overflow(what.to_string()))
+/// A weight tensor the shared staging code refuses, reported as this crate
+/// always has ([`Error::Weights`]; a layout failure as [`Error::Layout`]).
+fn weights_error(e: KernelsError) -> Error {
+    match e {
+        KernelsError::Plan { tensor, reason } => Error::Weights { tensor, reason },
+        KernelsError::Layout(l) => Error::Layout(l),
+        e => e.into(),
+    }
 }
 
-fn kind_of(name: &str) -> Option<WeightKind> {
-    WeightKind::ALL.iter().copied().find(|k| k.name() == name)
+/// What an allocation of `b` is called in an out-of-memory error.
+fn buffer_what(b: Buffer) -> &'static str {
+    match b {
+        Buffer::KCache => "K cache",
+        Buffer::VCache => "V cache",
+        Buffer::RopeCos => "rope cos",
+        Buffer::RopeSin => "rope sin",
+        Buffer::ArgmaxOut => "argmax",
+        b => b.name(),
+    }
 }
 
 impl CudarcBackend {
@@ -138,13 +122,17 @@ impl CudarcBackend {
         let (free, _) = result::mem_get_info().map_err(drv("cuMemGetInfo"))?;
         info.free_mem = free as u64;
         let config = weights.config.clone();
-        if opts.capacity == 0 || opts.capacity > u32::MAX as usize {
-            return Err(Error::Option {
+        let capacity = u32::try_from(opts.capacity)
+            .ok()
+            .filter(|&c| c > 0)
+            .ok_or_else(|| Error::Option {
                 field: "capacity",
                 reason: format!("{} is outside 1..=2^32-1", opts.capacity),
-            });
-        }
-        let build = KernelBuild::new(&config)?;
+            })?;
+        let build = match &opts.plan {
+            Some(plan) => KernelBuild::with_plan(&config, plan.clone())?,
+            None => KernelBuild::new(&config)?,
+        };
         let cubin = match &opts.cubin {
             Some(path) => Cubin::from_file(path, info.arch)?,
             None => Compiler::new()?.compile(&build, info.arch)?,
@@ -224,18 +212,6 @@ impl CudarcBackend {
             )
         }
         .map_err(drv("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
-        if occ <= 0 {
-            return Err(Error::Launch {
-                device: info.name.clone(),
-                reason: format!(
-                    "no CTA of {THREADS_PER_CTA} threads with {} B shared memory fits on an SM",
-                    build.smem_bytes
-                ),
-            });
-        }
-        let per_sm = opts
-            .ctas_per_sm
-            .map_or(occ as u32, |c| c.clamp(1, occ as u32));
         // SAFETY: valid function handle.
         let registers = unsafe {
             result::function::get_function_attribute(
@@ -244,156 +220,105 @@ impl CudarcBackend {
             )
         }
         .unwrap_or(0) as u32;
-        let launch = LaunchInfo {
-            grid: per_sm * info.sms,
-            block: THREADS_PER_CTA,
-            ctas_per_sm: per_sm,
-            max_ctas_per_sm: occ as u32,
-            smem_bytes: build.smem_bytes,
+        let launch = LaunchInfo::from_occupancy(
+            occ,
+            info.sms,
+            opts.ctas_per_sm,
+            build.smem_bytes,
             registers,
-        };
+        )
+        .ok_or_else(|| Error::Launch {
+            device: info.name.clone(),
+            reason: format!(
+                "no CTA of {THREADS_PER_CTA} threads with {} B shared memory fits on an SM",
+                build.smem_bytes
+            ),
+        })?;
 
         // Memory plan, checked before the first allocation.
-        let h = config.hidden_size as u64;
-        let cap = opts.capacity as u64;
-        let kv_dim = config.kv_dim() as u64;
-        let layers = config.num_hidden_layers as u64;
-        let kv_layer = checked_mul(checked_mul(cap, kv_dim, "KV cache")?, 2, "KV cache")?;
-        if kv_layer > 1 << 32 {
+        let memory = MemoryPlan::sizes(&config, capacity, launch.grid)?;
+        if memory.kv_layer_bytes > MAX_KV_LAYER_BYTES {
             return Err(Error::Option {
                 field: "capacity",
                 reason: format!(
-                    "one layer of the KV cache ({kv_layer} bytes) exceeds the kernel's 32-bit in-layer offsets"
+                    "one layer of the KV cache ({} bytes) exceeds the kernel's 32-bit in-layer offsets",
+                    memory.kv_layer_bytes
                 ),
             });
         }
-        let kv_bytes = checked_mul(kv_layer, layers, "KV cache")?;
-        let half = config.head_dim() as u64 / 2;
-        let rope_bytes = checked_mul(checked_mul(cap, half, "rope table")?, 4, "rope table")?;
-        let wb = qmk_model::weight_bytes(&config)?;
-        let scratch = 4
-            * (h + 2 * config.q_dim() as u64
-                + config.intermediate_size as u64
-                + config.vocab_size as u64
-                + 2 * launch.grid as u64
-                + 64);
-        let needed = [wb.total.0, 2 * kv_bytes, 2 * rope_bytes, scratch]
-            .iter()
-            .try_fold(0u64, |a, &b| a.checked_add(b))
-            .ok_or_else(|| Error::Overflow("device memory plan".into()))?;
-        if needed > info.free_mem {
+        if memory.total_bytes > info.free_mem {
             return Err(Error::OutOfMemory {
                 what: format!(
                     "{} weights + a {}-position KV cache ({} B weights, {} B KV)",
                     config.model_type,
-                    cap,
-                    wb.total.0,
-                    2 * kv_bytes
+                    capacity,
+                    memory.weight_bytes,
+                    2 * memory.kv_cache_bytes
                 ),
-                needed,
+                needed: memory.total_bytes,
                 available: info.free_mem,
             });
         }
 
-        let mut params: KernelParams = bytemuck::Zeroable::zeroed();
+        let mut params = base_params(&config, capacity, opts.spin_timeout);
         let mut buffers = Vec::new();
 
-        // Weights: one allocation per planned chunk.
-        progress.begin("uploading weights", wb.total.0);
-        for t in &build.plan.tensors {
-            let name = t.spec.name.as_str();
-            let kind = kind_of(name).ok_or_else(|| Error::Weights {
-                tensor: name.into(),
-                reason: "the plan names a tensor the model does not have".into(),
-            })?;
-            let host = weights.get(kind).ok_or_else(|| Error::Weights {
-                tensor: name.into(),
-                reason: "missing from the weights".into(),
-            })?;
-            let elems = t.spec.layout.size()?;
-            if host.len() as u64 != elems {
-                return Err(Error::Weights {
-                    tensor: name.into(),
-                    reason: format!(
-                        "{} elements, the layout {} needs {elems}",
-                        host.len(),
-                        t.spec.layout
-                    ),
-                });
+        // Weights: one allocation per planned chunk, in plan order.
+        progress.begin("uploading weights", memory.weight_bytes);
+        for c in weight_chunks(&build, weights).map_err(weights_error)? {
+            let buf = DeviceBuffer::alloc(
+                c.host.len() as u64,
+                &format!("{} chunk {}", c.tensor, c.chunk),
+            )?;
+            for (i, piece) in c.host.chunks(UPLOAD_PIECE_BYTES).enumerate() {
+                let dst = buf.ptr + (i * UPLOAD_PIECE_BYTES) as u64;
+                // SAFETY: dst..dst+piece bytes lies inside buf.
+                unsafe { result::memcpy_htod_sync(dst, piece) }.map_err(drv("cuMemcpyHtoD"))?;
+                progress.advance(piece.len() as u64);
             }
-            let Some(slots) = params.chunks_mut(name) else {
-                continue; // a tensor the kernel does not address
-            };
-            for (c, chunk) in t.chunks.iter().enumerate() {
-                let off = t.chunk_byte_offset(c)?.0 / 2;
-                let len = chunk.byte_span.0 / 2;
-                let end = off
-                    .checked_add(len)
-                    .filter(|&e| e <= elems)
-                    .ok_or_else(|| Error::Weights {
-                        tensor: name.into(),
-                        reason: format!("chunk {c} runs past the tensor"),
-                    })?;
-                let src: &[bf16] = &host[off as usize..end as usize];
-                let buf = DeviceBuffer::alloc(chunk.byte_span.0, &format!("{name} chunk {c}"))?;
-                const PIECE: usize = 64 << 20; // elements per copy, for progress
-                for (i, piece) in src.chunks(PIECE).enumerate() {
-                    let dst = buf.ptr + (i * PIECE * 2) as u64;
-                    // SAFETY: dst..dst+piece bytes lies inside buf.
-                    unsafe { result::memcpy_htod_sync(dst, piece) }.map_err(drv("cuMemcpyHtoD"))?;
-                    progress.advance(piece.len() as u64 * 2);
-                }
-                slots[c] = buf.ptr;
-                buffers.push(buf);
-            }
+            c.set(&mut params, buf.ptr);
+            buffers.push(buf);
         }
         progress.finish();
-        if config.tie_word_embeddings {
-            params.lm_head = params.embed_tokens;
-        }
+        tie_embeddings(&config, &mut params);
 
-        // KV cache, rope table, scratch.
-        let k_cache = DeviceBuffer::zeroed(kv_bytes, "K cache")?;
-        let v_cache = DeviceBuffer::zeroed(kv_bytes, "V cache")?;
+        // KV cache, rope tables, scratch: zeroed but for the rope tables.
         let rope =
             qmk_model::reference::Rope::new(config.head_dim(), config.rope_theta, opts.capacity);
-        let cos = DeviceBuffer::alloc(rope_bytes, "rope cos")?;
-        let sin = DeviceBuffer::alloc(rope_bytes, "rope sin")?;
-        // SAFETY: each buffer holds rope_bytes = cap * half * 4 bytes.
-        unsafe { result::memcpy_htod_sync(cos.ptr, &rope.cos) }.map_err(drv("cuMemcpyHtoD"))?;
-        unsafe { result::memcpy_htod_sync(sin.ptr, &rope.sin) }.map_err(drv("cuMemcpyHtoD"))?;
-        let f32s = |n: usize, what: &str| DeviceBuffer::zeroed(n as u64 * 4, what);
-        let x = f32s(config.hidden_size, "x")?;
-        let q = f32s(config.q_dim(), "q")?;
-        let attn = f32s(config.q_dim(), "attn")?;
-        let mlp_h = f32s(config.intermediate_size, "mlp_h")?;
-        let logits = f32s(config.vocab_size, "logits")?;
-        let pval = f32s(launch.grid as usize, "partial_val")?;
-        let pidx = f32s(launch.grid as usize, "partial_idx")?;
-        let argmax = DeviceBuffer::zeroed(16, "argmax")?;
-        let sync = DeviceBuffer::zeroed(std::mem::size_of::<SyncState>() as u64, "sync")?;
+        let (mut sync, mut logits) = (None, None);
+        for &(b, bytes) in &memory.buffers {
+            let table = match b {
+                Buffer::RopeCos => Some(&rope.cos),
+                Buffer::RopeSin => Some(&rope.sin),
+                _ => None,
+            };
+            let buf = match table {
+                None => DeviceBuffer::zeroed(bytes, buffer_what(b))?,
+                Some(t) => {
+                    if std::mem::size_of_val(t.as_slice()) as u64 != bytes {
+                        return Err(Error::Overflow(format!(
+                            "{}: the host table has {} bytes, the plan {bytes}",
+                            b.name(),
+                            std::mem::size_of_val(t.as_slice())
+                        )));
+                    }
+                    let buf = DeviceBuffer::alloc(bytes, buffer_what(b))?;
+                    // SAFETY: buf holds the table's bytes (checked above).
+                    unsafe { result::memcpy_htod_sync(buf.ptr, t) }.map_err(drv("cuMemcpyHtoD"))?;
+                    buf
+                }
+            };
+            set_buffer(&mut params, b, buf.ptr);
+            match b {
+                Buffer::Sync => sync = Some(buf),
+                Buffer::Logits => logits = Some(buf),
+                _ => buffers.push(buf),
+            }
+        }
+        let sync = sync.expect("the memory plan has a sync buffer");
+        let logits = logits.expect("the memory plan has a logits buffer");
         let status = StatusBlock::new()?;
-
-        params.k_cache = k_cache.ptr;
-        params.v_cache = v_cache.ptr;
-        params.rope_cos = cos.ptr;
-        params.rope_sin = sin.ptr;
-        params.x = x.ptr;
-        params.q = q.ptr;
-        params.attn = attn.ptr;
-        params.mlp_h = mlp_h.ptr;
-        params.logits = logits.ptr;
-        params.partial_val = pval.ptr;
-        params.partial_idx = pidx.ptr;
-        params.argmax_out = argmax.ptr;
-        params.sync = sync.ptr;
         params.status = status.device_ptr();
-        params.spin_timeout_ns = opts.spin_timeout.as_nanos().min(u64::MAX as u128) as u64;
-        params.kv_capacity = opts.capacity as u32;
-        params.rms_norm_eps = config.rms_norm_eps as f32;
-        buffers.extend([
-            k_cache, v_cache, cos, sin, x, q, attn, mlp_h, pval, pidx, argmax,
-        ]);
 
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
             .map_err(drv("cuStreamCreate"))?;
@@ -414,10 +339,11 @@ impl CudarcBackend {
             debug_flags: 0,
             last_argmax: 0,
             opts,
+            weight_bytes: memory.weight_bytes_per_step,
+            memory,
             status,
             sync,
             logits,
-            weight_bytes: wb.per_decode_step.0,
             _buffers: buffers,
             module,
             ctx,
@@ -436,6 +362,10 @@ impl CudarcBackend {
     pub fn kernel_build(&self) -> &KernelBuild {
         &self.build
     }
+    /// Every device allocation's size.
+    pub fn memory_plan(&self) -> &MemoryPlan {
+        &self.memory
+    }
     /// Registers, spills and static smem per kernel (empty for a cubin
     /// loaded from a file).
     pub fn resources(&self) -> Vec<Resources> {
@@ -452,17 +382,13 @@ impl CudarcBackend {
     /// Changes the kernel's spin-wait budget (tests use a tiny one to force
     /// a barrier timeout).
     pub fn set_spin_timeout(&mut self, t: Duration) {
-        self.params.spin_timeout_ns = t.as_nanos().min(u64::MAX as u128) as u64;
+        self.params.spin_timeout_ns = duration_ns(t);
     }
     /// Test hook: `true` makes the next steps hang at their first grid
     /// barrier (one CTA never arrives), to exercise the bounded waits.
     #[doc(hidden)]
     pub fn set_debug_hang(&mut self, on: bool) {
-        self.debug_flags = if on {
-            qmk_kernels::params::FLAG_DEBUG_HANG
-        } else {
-            0
-        };
+        self.debug_flags = if on { FLAG_DEBUG_HANG } else { 0 };
     }
     /// Changes the host deadline of one step.
     pub fn set_step_deadline(&mut self, t: Duration) {
@@ -567,9 +493,10 @@ impl CudarcBackend {
                 self.status.set_abort(1)?;
                 aborted = true;
             }
-            if aborted && el > deadline + Duration::from_secs(10) {
+            if aborted && el > deadline + ABORT_GRACE {
                 let reason = format!(
-                    "the kernel did not stop within 10 s of the abort flag (deadline {} ms)",
+                    "the kernel did not stop within {} s of the abort flag (deadline {} ms)",
+                    ABORT_GRACE.as_secs(),
                     deadline.as_millis()
                 );
                 self.dead = Some(reason.clone());
@@ -778,5 +705,27 @@ impl std::fmt::Debug for CudarcBackend {
             .field("launch", &self.launch)
             .field("capacity", &self.capacity)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_host_errors_keep_this_crates_words() {
+        let e = weights_error(KernelsError::Plan {
+            tensor: "q_proj".into(),
+            reason: "missing from the weights".into(),
+        });
+        assert!(matches!(e, Error::Weights { .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "weight tensor q_proj: missing from the weights"
+        );
+        let e = weights_error(KernelsError::BadArch("sm_1".into()));
+        assert!(matches!(e, Error::Kernels(_)), "{e:?}");
+        assert_eq!(buffer_what(Buffer::KCache), "K cache");
+        assert_eq!(buffer_what(Buffer::PartialIdx), "partial_idx");
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use cudarc::driver::{result, sys};
 use qmk_engine::Backend;
-use qmk_kernels::params::{FLAG_BARRIER_RELACQ, SKIP_SHIFT};
+use qmk_kernels::params::{FLAG_BARRIER_FENCED, SKIP_SHIFT};
 use qmk_kernels::{StreamParams, FLAG_TOKEN_FROM_ARGMAX, THREADS_PER_CTA};
 
 use crate::backend::CudarcBackend;
@@ -215,7 +215,7 @@ impl CudarcBackend {
 
     /// Where the time goes: the median step time of the full kernel, of
     /// the barriers alone, and with each phase skipped (every barrier kept),
-    /// plus the rel/acq barrier variant. Resets the engine after.
+    /// plus the v1.1 fenced barrier for A/B. Resets the engine after.
     pub fn bench_profile(&mut self, opts: &BenchOptions) -> Result<Vec<(String, f64)>> {
         let all = 63 << SKIP_SHIFT;
         let variants: [(&str, u32); 10] = [
@@ -227,8 +227,8 @@ impl CudarcBackend {
             ("skip mlp gate/up", 8 << SKIP_SHIFT),
             ("skip mlp down", 16 << SKIP_SHIFT),
             ("skip lm_head", 32 << SKIP_SHIFT),
-            ("full, rel/acq barrier", FLAG_BARRIER_RELACQ),
-            ("barriers only, rel/acq", all | FLAG_BARRIER_RELACQ),
+            ("full, fenced barrier", FLAG_BARRIER_FENCED),
+            ("barriers only, fenced", all | FLAG_BARRIER_FENCED),
         ];
         let mut out = Vec::new();
         for (name, flags) in variants {

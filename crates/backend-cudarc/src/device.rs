@@ -1,23 +1,10 @@
 //! Device and architecture discovery.
 
 use cudarc::driver::{result, sys};
+pub use qmk_kernels::host::DeviceInfo;
 use qmk_kernels::Arch;
 
 use crate::error::{Error, Result};
-
-/// One CUDA device as the backend sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeviceInfo {
-    pub ordinal: usize,
-    pub name: String,
-    pub arch: Arch,
-    pub sms: u32,
-    pub total_mem: u64,
-    pub free_mem: u64,
-    /// Largest dynamic shared memory a CTA may opt into, bytes.
-    pub max_smem_optin: u32,
-    pub cooperative: bool,
-}
 
 /// Loads libcuda and initialises the driver; [`Error::NoDriver`] where there
 /// is none (checked before any cudarc call, which would panic instead).

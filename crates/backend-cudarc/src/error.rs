@@ -117,10 +117,8 @@ impl From<qmk_layout::LayoutError> for Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// CUDA errors after which the context cannot be used again.
+/// CUDA errors after which the context cannot be used again (the list is
+/// [`qmk_kernels::host::is_sticky`], shared with the cust backend).
 pub fn is_sticky(e: &DriverError) -> bool {
-    matches!(
-        e.0 as i32,
-        214 | 700 | 702 | 714 | 715 | 716 | 717 | 718 | 719 | 999
-    )
+    qmk_kernels::host::is_sticky(e.0 as u32)
 }

@@ -7,6 +7,10 @@
 //! a hang becomes an [`Error`]; a sticky CUDA error marks the engine
 //! unusable. It implements [`qmk_engine::Backend`].
 //!
+//! The binding-independent host logic (options, launch shape, memory plan,
+//! weight staging, parameter block, statistics) is
+//! [`qmk_kernels::host`], shared with `qmk-backend-cust`.
+//!
 //! Also here: the bandwidth floor ([`CudarcBackend::stream_bandwidth`]), the
 //! benchmark ([`CudarcBackend::bench`]) and the 32-bit trap probe
 //! ([`CudarcBackend::trap_probe`]).
@@ -18,8 +22,9 @@ mod error;
 mod mem;
 mod probe;
 
-pub use backend::{CudarcBackend, LaunchInfo, Options, Progress};
+pub use backend::{CudarcBackend, Options, Progress};
 pub use bench::{BenchOptions, BenchReport};
-pub use device::{device_count, device_info, devices, init_driver, DeviceInfo};
+pub use device::{device_count, device_info, devices, init_driver};
 pub use error::{Error, Result};
 pub use probe::{ProbeReport, ProbeRun};
+pub use qmk_kernels::host::{DeviceInfo, LaunchInfo, MemoryPlan};

@@ -4,6 +4,8 @@
 use std::ffi::c_void;
 
 use cudarc::driver::{result, sys};
+use qmk_kernels::host::{status, status_in_mapped_memory};
+use qmk_kernels::HostStatus;
 
 use crate::error::{Error, Result};
 
@@ -118,7 +120,7 @@ impl Drop for MappedHost {
 // The raw pointer is only touched through volatile u32 accesses.
 unsafe impl Send for MappedHost {}
 
-/// Where the kernel's [`qmk_kernels::HostStatus`] lives.
+/// Where the kernel's [`HostStatus`] lives ([`status_in_mapped_memory`]).
 ///
 /// Default: device memory. The host reads it with a 32-byte copy after the
 /// step and raises `abort` with an async copy on a separate stream (a copy
@@ -136,8 +138,8 @@ pub enum StatusBlock {
 
 impl StatusBlock {
     pub fn new() -> Result<StatusBlock> {
-        let bytes = std::mem::size_of::<qmk_kernels::HostStatus>();
-        if std::env::var("QMK_STATUS_MAPPED").as_deref() == Ok("1") {
+        let bytes = std::mem::size_of::<HostStatus>();
+        if status_in_mapped_memory() {
             return Ok(StatusBlock::Mapped(MappedHost::alloc(bytes)?));
         }
         let buf = DeviceBuffer::zeroed(bytes as u64, "status block")?;
@@ -160,15 +162,15 @@ impl StatusBlock {
     }
 
     /// The block as the kernel left it (call once the kernel has finished).
-    pub fn read(&self) -> Result<qmk_kernels::HostStatus> {
-        let mut words = [0u32; 8];
+    pub fn read(&self) -> Result<HostStatus> {
+        let mut words = [0u32; status::WORDS];
         match self {
             StatusBlock::Mapped(m) => {
                 for (i, w) in words.iter_mut().enumerate() {
                     *w = m.read_u32(i);
                 }
             }
-            // SAFETY: buf holds 32 bytes.
+            // SAFETY: buf holds the whole block.
             StatusBlock::Device { buf, .. } => unsafe {
                 result::memcpy_dtoh_sync(&mut words, buf.ptr)
             }
@@ -184,13 +186,14 @@ impl StatusBlock {
     pub fn set_abort(&self, v: u32) -> Result<()> {
         match self {
             StatusBlock::Mapped(m) => {
-                m.write_u32(0, v);
+                m.write_u32(status::ABORT, v);
                 Ok(())
             }
             StatusBlock::Device { buf, staging, ctrl } => {
                 staging.write_u32(0, v);
-                // SAFETY: 4 pinned bytes to the abort word (offset 0) of buf.
-                unsafe { sys::cuMemcpyHtoDAsync_v2(buf.ptr, staging.host, 4, *ctrl) }
+                // SAFETY: 4 pinned bytes to the abort word of buf.
+                let dst = buf.ptr + (status::ABORT * 4) as u64;
+                unsafe { sys::cuMemcpyHtoDAsync_v2(dst, staging.host, 4, *ctrl) }
                     .result()
                     .and_then(|_| unsafe { result::stream::synchronize(*ctrl) })
                     .map_err(|source| Error::Driver {
@@ -205,18 +208,20 @@ impl StatusBlock {
     pub fn clear(&self) -> Result<()> {
         match self {
             StatusBlock::Mapped(m) => {
-                for i in 0..8 {
+                for i in 0..status::WORDS {
                     m.write_u32(i, 0);
                 }
                 Ok(())
             }
-            // SAFETY: buf holds 32 bytes.
-            StatusBlock::Device { buf, .. } => unsafe { result::memset_d8_sync(buf.ptr, 0, 32) }
-                .and_then(|_| result::ctx::synchronize())
-                .map_err(|source| Error::Driver {
-                    call: "cuMemsetD8 (status)",
-                    source,
-                }),
+            // SAFETY: buf holds the whole block.
+            StatusBlock::Device { buf, .. } => {
+                unsafe { result::memset_d8_sync(buf.ptr, 0, status::WORDS * 4) }
+                    .and_then(|_| result::ctx::synchronize())
+                    .map_err(|source| Error::Driver {
+                        call: "cuMemsetD8 (status)",
+                        source,
+                    })
+            }
         }
     }
 }

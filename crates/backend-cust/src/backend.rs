@@ -135,7 +135,10 @@ impl CustBackend {
                 field: "capacity",
                 reason: format!("{} is outside 1..=2^32-1", opts.capacity),
             })?;
-        let build = KernelBuild::new(&config)?;
+        let build = match &opts.plan {
+            Some(plan) => KernelBuild::with_plan(&config, plan.clone())?,
+            None => KernelBuild::new(&config)?,
+        };
         let cubin = match &opts.cubin {
             Some(path) => Cubin::from_file(path, info.arch)?,
             None => Compiler::new()?.compile(&build, info.arch)?,

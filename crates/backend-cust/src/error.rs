@@ -109,9 +109,22 @@ pub enum Error {
     #[error(transparent)]
     Kernels(#[from] qmk_kernels::KernelsError),
     #[error(transparent)]
-    Model(#[from] qmk_model::ModelError),
+    Model(Box<qmk_model::ModelError>),
     #[error(transparent)]
-    Layout(#[from] qmk_layout::LayoutError),
+    Layout(Box<qmk_layout::LayoutError>),
+}
+
+// Boxed: both are large, and every `Result` of the crate carries this enum.
+impl From<qmk_model::ModelError> for Error {
+    fn from(e: qmk_model::ModelError) -> Self {
+        Error::Model(Box::new(e))
+    }
+}
+
+impl From<qmk_layout::LayoutError> for Error {
+    fn from(e: qmk_layout::LayoutError) -> Self {
+        Error::Layout(Box::new(e))
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -76,12 +76,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
             eprintln!("{s}");
         }
     };
+    let capacity = a.warmup + a.steps + 1;
+    // Before generating 100+ GB of weights: refuse what cannot fit.
+    let gpu = crate::gpu::probe()?;
+    crate::gpu::check_fits(&config, capacity, &gpu, crate::common::available_memory())
+        .with_context(|| format!("bench --preset {}", a.preset))?;
     say(format!(
         "generating synthetic {} weights (seed {})",
         a.preset, a.seed
     ));
     let weights = synthetic_weights(&config, a.seed);
-    let capacity = a.warmup + a.steps + 1;
     let opts = Options {
         device: a.device,
         capacity,

@@ -262,7 +262,7 @@ pub fn cpu_bytes(config: &Config, capacity: usize) -> (u128, u128) {
 }
 
 /// Available host memory from /proc/meminfo, when known.
-fn available_memory() -> Option<u128> {
+pub fn available_memory() -> Option<u128> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u128 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -338,6 +338,11 @@ pub fn open_backend(
     }
     if let Target::Cpu = target {
         check_cpu_memory(&model.config, capacity)?;
+    }
+    if let Target::Gpu(kind, info) = &target {
+        // Before loading anything: a model that cannot fit is refused here.
+        gpu::check_fits(&model.config, capacity, info, None)
+            .map_err(|e| anyhow!("--backend {}: {e}", kind.name()))?;
     }
     let weights = model.load_weights(ui)?;
     match target {

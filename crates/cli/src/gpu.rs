@@ -37,6 +37,17 @@ pub enum GpuError {
         need_gib: f64,
         have_gib: f64,
     },
+    #[error(
+        "the model does not fit on {device}: {what} need {need} bytes ({:.2} GiB) of {place}, {have} bytes ({:.2} GiB) available",
+        *need as f64 / GIB, *have as f64 / GIB
+    )]
+    DoesNotFit {
+        device: String,
+        what: String,
+        need: u128,
+        have: u128,
+        place: &'static str,
+    },
     #[error("{0}")]
     Other(String),
 }
@@ -133,6 +144,48 @@ pub fn open(
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// Refuses, before any weight is loaded, generated or uploaded, a model
+/// whose weights + KV cache of `capacity` positions cannot fit the device
+/// (`gpu.total_mem`, an upper bound of what a context can allocate), or
+/// whose weights cannot be staged in host memory (`host_available`).
+/// The message gives the bytes needed and available.
+pub fn check_fits(
+    config: &qmk_model::Config,
+    capacity: usize,
+    gpu: &GpuInfo,
+    host_available: Option<u128>,
+) -> Result<(), GpuError> {
+    let weights = qmk_model::weight_bytes(config)
+        .map_err(|e| GpuError::Other(e.to_string()))?
+        .total
+        .0 as u128;
+    let kv = kv_bytes(config, capacity);
+    let need = weights + kv;
+    if gpu.total_mem > 0 && need > gpu.total_mem as u128 {
+        return Err(GpuError::DoesNotFit {
+            device: gpu.name.clone(),
+            what: format!(
+                "the weights ({weights} bytes) and a KV cache of {capacity} positions ({kv} bytes)"
+            ),
+            need,
+            have: gpu.total_mem as u128,
+            place: "device memory",
+        });
+    }
+    if let Some(avail) = host_available {
+        if weights > avail {
+            return Err(GpuError::DoesNotFit {
+                device: gpu.name.clone(),
+                what: "staging the weights in host memory before the upload".into(),
+                need: weights,
+                have: avail,
+                place: "host memory (MemAvailable)",
+            });
+        }
+    }
+    Ok(())
+}
 
 /// Bytes of a bf16 KV cache: layers x (K + V) x kv_dim x capacity.
 fn kv_bytes(c: &qmk_model::Config, capacity: usize) -> u128 {

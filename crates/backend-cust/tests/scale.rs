@@ -1,0 +1,472 @@
+//! Issue 7: the megakernel at 14B and 32B shapes (29.5 GB and 65.5 GB of
+//! synthetic bf16 weights, split per the plan), on both CUDA backends, against
+//! the CPU reference on the same weights; and the 32-bit trap bisected in a
+//! real decode (first N layers of 14B, N across the layout crate's predicted
+//! boundary, with the planner's split and with a plan made for the wrong
+//! offset model).
+//!
+//! Every test skips with a printed reason without a CUDA device or without
+//! the host memory its weights need. Run each test in its own process on the
+//! GPU machine (scripts/gpu/scale.sh):
+//! `scale-tests --test-threads=1 --nocapture --exact scale_14b`.
+//!
+//! Environment: `QMK_SCALE_CUBINS=DIR` loads `DIR/<fingerprint>.cubin` when
+//! present instead of running NVRTC (written here by the ignored
+//! `precompile_cubins` with `QMK_SCALE_PRECOMPILE=DIR`);
+//! `QMK_BISECT_LAYERS=30,31` overrides the layer counts of the bisection.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use qmk_backend_cudarc::CudarcBackend;
+use qmk_backend_cust::CustBackend;
+use qmk_engine::Backend;
+use qmk_kernels::KernelBuild;
+use qmk_layout::KERNEL_OFFSET_MODEL;
+use qmk_layout::{first_wrapping_slice, plan_model, ModelPlan, OffsetModel, OffsetUnit};
+use qmk_model::reference::{Reference, ReferenceOptions};
+use qmk_model::{synthetic_weights, Config, Weights};
+
+const SEED: u64 = 20261129;
+/// Two prompt tokens, then greedy picks.
+const PROMPT: [u32; 2] = [9707, 11];
+/// Greedy steps after the prompt (issue 7 asks for at least 4).
+const GREEDY: usize = 4;
+const TOL: f64 = 1e-2;
+
+/// The plan made for 32-bit *element* offsets: what a planner that models
+/// the wrong arithmetic would produce for this kernel (which computes 32-bit
+/// *byte* offsets). For 14B it splits nothing (3.4 G elements < 2^32), so
+/// gate/up/down of layer 30 and later wrap inside the kernel.
+const WRONG_MODEL: OffsetModel = OffsetModel {
+    bits: 32,
+    unit: OffsetUnit::Elements,
+};
+
+fn device_or_skip(test: &str) -> bool {
+    let reason = match (
+        qmk_backend_cust::device_count(),
+        qmk_backend_cudarc::device_count(),
+    ) {
+        (Ok(n), Ok(_)) if n > 0 => return true,
+        (Ok(_), Ok(_)) => "no CUDA device".to_string(),
+        (Err(e), _) => format!("cust: {e}"),
+        (_, Err(e)) => format!("cudarc: {e}"),
+    };
+    println!("SKIPPED {test}: {reason}");
+    false
+}
+
+/// MemAvailable from /proc/meminfo, bytes.
+fn host_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// The weights of `config`, or `None` (printed) when the host cannot hold
+/// them with 8 GB to spare.
+fn weights_or_skip(test: &str, config: &Config) -> Option<Weights> {
+    let need = qmk_model::weight_bytes(config).unwrap().total.0;
+    if let Some(avail) = host_available() {
+        if need + (8 << 30) > avail {
+            println!(
+                "SKIPPED {test}: the weights need {need} B of host memory, {avail} B available"
+            );
+            return None;
+        }
+    }
+    let t = Instant::now();
+    let w = synthetic_weights(config, SEED);
+    println!(
+        "{test}: {:.2} GB of synthetic weights in {:.1} s",
+        need as f64 / 1e9,
+        t.elapsed().as_secs_f64()
+    );
+    Some(w)
+}
+
+/// The first `n` layers of `w` (synthetic layer l does not depend on the
+/// layer count, so this is exactly the `n`-layer model), without a copy.
+fn truncate_layers(w: &mut Weights, n: usize) {
+    let l = w.config.num_hidden_layers;
+    assert!(n <= l);
+    let cut = |v: &mut Vec<half::bf16>| {
+        let per = v.len() / l;
+        v.truncate(per * n);
+    };
+    cut(&mut w.input_layernorm);
+    cut(&mut w.q_proj);
+    cut(&mut w.q_bias);
+    cut(&mut w.k_proj);
+    cut(&mut w.k_bias);
+    cut(&mut w.v_proj);
+    cut(&mut w.v_bias);
+    cut(&mut w.o_proj);
+    cut(&mut w.post_attention_layernorm);
+    cut(&mut w.gate_proj);
+    cut(&mut w.up_proj);
+    cut(&mut w.down_proj);
+    w.config.num_hidden_layers = n;
+    w.check_sizes().unwrap();
+}
+
+fn rel_err(gpu: &[f32], cpu: &[f32]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&g, &c) in gpu.iter().zip(cpu) {
+        num += (g as f64 - c as f64).powi(2);
+        den += (c as f64).powi(2);
+    }
+    (num / den).sqrt()
+}
+
+/// Lowest index of the maximum (the kernel's tie rule).
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Tokens fed and logits of a greedy run: PROMPT, then GREEDY picks.
+struct Run {
+    tokens: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+}
+
+fn steps() -> usize {
+    PROMPT.len() + GREEDY
+}
+
+/// The CPU reference's greedy run (it shares `w`, no copy).
+fn reference_run(label: &str, w: &Arc<Weights>, steps: usize) -> Run {
+    let t = Instant::now();
+    let mut cpu =
+        Reference::new(w.clone(), ReferenceOptions::new(steps + 1).kv_bf16(true)).unwrap();
+    let (mut tokens, mut logits) = (Vec::new(), Vec::new());
+    let mut token = PROMPT[0];
+    for pos in 0..steps {
+        if let Some(&t) = PROMPT.get(pos) {
+            token = t;
+        }
+        let l = cpu.step(token, pos).unwrap();
+        tokens.push(token);
+        token = argmax(&l);
+        logits.push(l);
+    }
+    println!(
+        "{label}: CPU reference, {steps} steps in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    Run { tokens, logits }
+}
+
+/// A prebuilt cubin for `build`, if `QMK_SCALE_CUBINS` holds one.
+fn cubin_for(build: &KernelBuild) -> Option<PathBuf> {
+    let dir = std::env::var_os("QMK_SCALE_CUBINS")?;
+    let p = PathBuf::from(dir).join(format!("{:016x}.cubin", build.fingerprint));
+    p.is_file().then_some(p)
+}
+
+/// The GPU run of one backend: feeds the reference's tokens, returns the
+/// picks and logits, and (with `bench`) the decode speed.
+macro_rules! gpu_run {
+    ($ty:ty, $krate:ident, $w:expr, $plan:expr, $tokens:expr, $bench:expr, $label:expr) => {{
+        let w: &Weights = $w;
+        let plan: Option<ModelPlan> = $plan;
+        let tokens: &[u32] = $tokens;
+        let label: &str = $label;
+        let build = match &plan {
+            Some(p) => KernelBuild::with_plan(&w.config, p.clone()).unwrap(),
+            None => KernelBuild::new(&w.config).unwrap(),
+        };
+        let chunks: Vec<String> = build
+            .plan
+            .split_tensors()
+            .map(|t| format!("{} x{}", t.spec.name, t.chunks.len()))
+            .collect();
+        let gate_chunks = build.plan.tensor("gate_proj").unwrap().chunks.len();
+        let cubin = cubin_for(&build);
+        let opts = $krate::Options {
+            capacity: 64,
+            plan,
+            cubin: cubin.clone(),
+            ..Default::default()
+        };
+        let t = Instant::now();
+        let mut b = <$ty>::new(w, opts, &mut ()).unwrap_or_else(|e| panic!("{label}: {e}"));
+        let l = b.launch_info();
+        println!(
+            "{label}: {} layers, split {:?}, cubin {}, open + upload {:.1} s, grid {} x {}",
+            w.config.num_hidden_layers,
+            chunks,
+            if cubin.is_some() { "prebuilt" } else { "NVRTC" },
+            t.elapsed().as_secs_f64(),
+            l.grid,
+            l.block
+        );
+        let (mut ids, mut logits) = (Vec::new(), Vec::new());
+        for (pos, &tok) in tokens.iter().enumerate() {
+            ids.push(b.step(tok, pos).unwrap_or_else(|e| panic!("{label}: step {pos}: {e}")).argmax);
+            logits.push(b.logits().unwrap());
+        }
+        let bench = if $bench {
+            b.reset().unwrap();
+            let r = b
+                .bench(&$krate::BenchOptions {
+                    warmup: 8,
+                    steps: 48,
+                    ..Default::default()
+                })
+                .unwrap();
+            println!(
+                "{label}: BENCH {:.1} tok/s, {:.0} us/step (p10 {:.0}, p90 {:.0}), {:.2} GB/step, {:.0} GB/s, floor {:.0} GB/s, {:.1} % of floor, floor {:.1} tok/s, {} barriers",
+                r.tok_per_s,
+                r.us_per_step,
+                r.us_p10,
+                r.us_p90,
+                r.bytes_per_step as f64 / 1e9,
+                r.gbps,
+                r.floor_gbps,
+                r.pct_of_floor,
+                r.floor_tok_per_s,
+                r.barriers_per_step
+            );
+            Some(r.tok_per_s)
+        } else {
+            None
+        };
+        (ids, logits, gate_chunks, bench)
+    }};
+}
+
+/// Checks a GPU run against the reference; returns the largest error.
+fn compare(label: &str, r: &Run, ids: &[u32], logits: &[Vec<f32>]) -> (f64, bool) {
+    let mut worst = 0f64;
+    let mut ids_equal = true;
+    for pos in 0..r.tokens.len() {
+        let e = rel_err(&logits[pos], &r.logits[pos]);
+        let want = argmax(&r.logits[pos]);
+        worst = worst.max(e);
+        ids_equal &= ids[pos] == want;
+        println!(
+            "{label}: pos {pos} token {} -> gpu {} cpu {} rel err {e:.3e}",
+            r.tokens[pos], ids[pos], want
+        );
+    }
+    (worst, ids_equal)
+}
+
+/// Full decode at `preset`'s shapes on both backends vs the CPU reference.
+fn full_scale(preset: &str) -> Option<Weights> {
+    let test = format!("scale_{preset}");
+    if !device_or_skip(&test) {
+        return None;
+    }
+    let config = Config::preset(preset).unwrap();
+    let w = Arc::new(weights_or_skip(&test, &config)?);
+    let r = reference_run(&test, &w, steps());
+    let (ids_a, logits_a, chunks, _) = gpu_run!(
+        CudarcBackend,
+        qmk_backend_cudarc,
+        &w,
+        None,
+        &r.tokens,
+        true,
+        &format!("{test} cudarc")
+    );
+    let (err_a, ok_a) = compare(&format!("{test} cudarc"), &r, &ids_a, &logits_a);
+    let (ids_b, logits_b, _, _) = gpu_run!(
+        CustBackend,
+        qmk_backend_cust,
+        &w,
+        None,
+        &r.tokens,
+        true,
+        &format!("{test} cust")
+    );
+    let (err_b, ok_b) = compare(&format!("{test} cust"), &r, &ids_b, &logits_b);
+    let identical = ids_a == ids_b && logits_a == logits_b;
+    println!(
+        "{test}: RESULT gate_proj chunks {chunks}; cudarc ids equal {ok_a} max rel err {err_a:.3e}; \
+         cust ids equal {ok_b} max rel err {err_b:.3e}; cudarc == cust bit-identical {identical}"
+    );
+    assert!(
+        ok_a && ok_b,
+        "{test}: greedy ids differ from the CPU reference"
+    );
+    assert!(
+        err_a <= TOL && err_b <= TOL,
+        "{test}: logits error over {TOL}"
+    );
+    assert!(identical, "{test}: cudarc and cust differ");
+    drop(r);
+    Arc::try_unwrap(w).ok()
+}
+
+#[test]
+fn scale_14b() {
+    let Some(mut w) = full_scale("14b") else {
+        return;
+    };
+    if std::env::var_os("QMK_SKIP_BISECT").is_none() {
+        bisect(&mut w);
+    }
+}
+
+#[test]
+fn scale_32b() {
+    full_scale("32b");
+}
+
+/// Issue 7 item 3 on the 14B weights (truncated in place to N layers).
+fn bisect(w: &mut Weights) {
+    let full = w.config.clone();
+    let gate = qmk_model::stacked_specs(&full)
+        .unwrap()
+        .into_iter()
+        .find(|s| s.name == "gate_proj")
+        .unwrap();
+    let p = first_wrapping_slice(&gate, &KERNEL_OFFSET_MODEL)
+        .unwrap()
+        .expect("14B gate_proj wraps") as usize;
+    println!("bisect: layout crate predicts layer {p} (0-based) is the first whose 32-bit byte offsets wrap: N <= {p} layers are safe unsplit, N >= {} are not", p + 1);
+    let ns: Vec<usize> = match std::env::var("QMK_BISECT_LAYERS") {
+        Ok(s) => s.split(',').map(|x| x.trim().parse().unwrap()).collect(),
+        Err(_) => vec![p, p + 1],
+    };
+    let mut ns = ns;
+    ns.sort_unstable();
+    ns.reverse(); // truncation only shrinks
+    let mut rows = Vec::new();
+    for n in ns {
+        truncate_layers(w, n);
+        let shared = Arc::new(std::mem::replace(w, placeholder()));
+        let r = reference_run(&format!("bisect N={n}"), &shared, PROMPT.len() + 1);
+        let wrong = plan_model(
+            &qmk_model::stacked_specs(&shared.config).unwrap(),
+            &WRONG_MODEL,
+        )
+        .unwrap();
+        let mut out = Vec::new();
+        for (name, plan) in [("split", None), ("unsplit", Some(wrong))] {
+            let label = format!("bisect N={n} {name}");
+            let (ids, logits, chunks, _) = gpu_run!(
+                CudarcBackend,
+                qmk_backend_cudarc,
+                &shared,
+                plan,
+                &r.tokens,
+                false,
+                &label
+            );
+            let (err, ok) = compare(&label, &r, &ids, &logits);
+            let clean = ok && err <= TOL;
+            println!("{label}: RESULT gate_proj chunks {chunks}, ids equal {ok}, max rel err {err:.3e} -> {}", if clean { "clean" } else { "WRONG" });
+            out.push(clean);
+        }
+        rows.push((n, out[0], out[1]));
+        *w = Arc::try_unwrap(shared).unwrap_or_else(|_| panic!("no other owner"));
+    }
+    rows.sort_unstable();
+    println!("bisect: N | split | unsplit (expected: split clean everywhere; unsplit wrong exactly from N = {})", p + 1);
+    for &(n, s, u) in &rows {
+        println!(
+            "bisect: {n} | {} | {}",
+            if s { "clean" } else { "WRONG" },
+            if u { "clean" } else { "WRONG" }
+        );
+    }
+    for &(n, s, u) in &rows {
+        assert!(s, "N = {n}: the planner's split gave wrong output");
+        assert_eq!(
+            u,
+            n <= p,
+            "N = {n}: unsplit is {} but the layout crate predicts {}",
+            if u { "clean" } else { "wrong" },
+            if n <= p { "clean" } else { "wrong" }
+        );
+    }
+}
+
+/// A zero-layer stand-in while the real weights are shared.
+fn placeholder() -> Weights {
+    let mut c = Config::preset("0.5b").unwrap();
+    c.vocab_size = 8;
+    c.hidden_size = 64;
+    c.intermediate_size = 64;
+    c.num_attention_heads = 1;
+    c.num_key_value_heads = Some(1);
+    c.head_dim = Some(64);
+    c.num_hidden_layers = 1;
+    Weights::zeroed(&c).unwrap()
+}
+
+/// One 14B decode step (for compute-sanitizer: `compute-sanitizer --tool
+/// memcheck scale-tests --exact one_step_14b`).
+#[test]
+fn one_step_14b() {
+    let test = "one_step_14b";
+    if !device_or_skip(test) {
+        return;
+    }
+    let config = Config::preset("14b").unwrap();
+    let Some(w) = weights_or_skip(test, &config) else {
+        return;
+    };
+    let (ids, _, chunks, _) = gpu_run!(
+        CudarcBackend,
+        qmk_backend_cudarc,
+        &w,
+        None,
+        &PROMPT[..1],
+        false,
+        test
+    );
+    println!("{test}: RESULT gate_proj chunks {chunks}, pick {}", ids[0]);
+}
+
+/// Writes the cubins the scale tests need (sm_90) into
+/// `QMK_SCALE_PRECOMPILE`, named by fingerprint, so the GPU machine runs
+/// no NVRTC.
+#[test]
+#[ignore = "writes cubins; run by hand before a GPU run"]
+fn precompile_cubins() {
+    let dir = PathBuf::from(
+        std::env::var_os("QMK_SCALE_PRECOMPILE").expect("set QMK_SCALE_PRECOMPILE=DIR"),
+    );
+    std::fs::create_dir_all(&dir).unwrap();
+    let compiler = qmk_kernels::Compiler::new().unwrap();
+    let arch = qmk_kernels::Arch::parse("sm_90").unwrap();
+    let mut builds = vec![
+        KernelBuild::new(&Config::preset("14b").unwrap()).unwrap(),
+        KernelBuild::new(&Config::preset("32b").unwrap()).unwrap(),
+    ];
+    let ns: Vec<usize> = std::env::var("QMK_BISECT_LAYERS")
+        .map(|s| s.split(',').map(|x| x.trim().parse().unwrap()).collect())
+        .unwrap_or_else(|_| vec![30, 31]);
+    for n in ns {
+        let mut c = Config::preset("14b").unwrap();
+        c.num_hidden_layers = n;
+        builds.push(KernelBuild::new(&c).unwrap());
+        let wrong = plan_model(&qmk_model::stacked_specs(&c).unwrap(), &WRONG_MODEL).unwrap();
+        builds.push(KernelBuild::with_plan(&c, wrong).unwrap());
+    }
+    for b in builds {
+        let t = Instant::now();
+        let cubin = compiler.compile(&b, arch).unwrap();
+        let p = dir.join(format!("{:016x}.cubin", b.fingerprint));
+        cubin.write(&p).unwrap();
+        println!(
+            "{} ({} layers): {:.1} s",
+            p.display(),
+            b.config.num_hidden_layers,
+            t.elapsed().as_secs_f64()
+        );
+    }
+}
