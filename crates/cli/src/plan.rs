@@ -22,6 +22,48 @@ pub struct PlanArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// KV-cache positions to size device memory for.
+    #[arg(long, default_value_t = 4096)]
+    pub context: u32,
+}
+
+/// What running the model needs, beside the layout: device memory for the
+/// weights, the KV cache at `context` positions and the scratch buffers, and
+/// the host memory the weights are staged in before the upload.
+#[derive(Serialize)]
+struct MemoryNeed {
+    context: u32,
+    device_bytes: u64,
+    weight_bytes: u64,
+    kv_cache_bytes: u64,
+    scratch_bytes: u64,
+    host_staging_bytes: u64,
+}
+
+/// Grid the scratch buffers are sized for (an H200 has 132 SMs); the scratch
+/// is a few MB, so the choice barely moves the total.
+const PLAN_GRID: u32 = 132;
+
+fn memory_need(config: &Config, context: u32) -> Result<MemoryNeed> {
+    let m = qmk_kernels::host::MemoryPlan::sizes(config, context, PLAN_GRID)
+        .context("sizing device memory")?;
+    let kv = m
+        .kv_cache_bytes
+        .checked_mul(2)
+        .context("KV cache size overflows")?;
+    let scratch = m
+        .total_bytes
+        .checked_sub(m.weight_bytes)
+        .and_then(|r| r.checked_sub(kv))
+        .context("memory plan totals disagree")?;
+    Ok(MemoryNeed {
+        context,
+        device_bytes: m.total_bytes,
+        weight_bytes: m.weight_bytes,
+        kv_cache_bytes: kv,
+        scratch_bytes: scratch,
+        host_staging_bytes: m.weight_bytes,
+    })
 }
 
 /// `plan --json` output: the plan plus what it was made for and totals.
@@ -36,6 +78,8 @@ struct PlanJson<'a> {
     total_bytes: Bytes,
     /// Weight bytes one decode step reads (see `qmk_model::WeightBytes`).
     per_decode_step_bytes: Bytes,
+    /// Device and host memory needed to run it.
+    memory: MemoryNeed,
 }
 
 pub fn run(args: PlanArgs) -> Result<()> {
@@ -53,6 +97,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     };
     let plan = qmk_model::model_plan(&config).context("planning the weight layout")?;
     let bytes = qmk_model::weight_bytes(&config)?;
+    let memory = memory_need(&config, args.context)?;
     if args.json {
         let out = PlanJson {
             model: &label,
@@ -60,10 +105,21 @@ pub fn run(args: PlanArgs) -> Result<()> {
             tensors: &plan.tensors,
             total_bytes: bytes.total,
             per_decode_step_bytes: bytes.per_decode_step,
+            memory,
         };
         println!("{}", serde_json::to_string(&out)?);
     } else {
         print!("{}", render(&label, &config, &plan, &bytes)?);
+        println!(
+            "device memory at {} positions: {} (weights {} + KV cache {} + scratch {}); \
+             host memory to stage the weights: {}",
+            memory.context,
+            bytes_str(memory.device_bytes),
+            bytes_str(memory.weight_bytes),
+            bytes_str(memory.kv_cache_bytes),
+            bytes_str(memory.scratch_bytes),
+            bytes_str(memory.host_staging_bytes)
+        );
     }
     Ok(())
 }
@@ -191,9 +247,33 @@ fn render(label: &str, c: &Config, plan: &ModelPlan, totals: &WeightBytes) -> Re
     Ok(s)
 }
 
+fn bytes_str(b: u64) -> String {
+    format!(
+        "{:.2} GB ({:.2} GiB)",
+        b as f64 / 1e9,
+        b as f64 / (1u64 << 30) as f64
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_need_adds_kv_cache_and_scratch_to_the_weights() {
+        let c = Config::preset("72b").unwrap();
+        let m = memory_need(&c, 4096).unwrap();
+        // K and V: 80 layers x 4096 positions x 1024 (8 kv heads x 128) x 2 bytes each.
+        assert_eq!(m.kv_cache_bytes, 2 * 80 * 4096 * 1024 * 2);
+        assert_eq!(m.weight_bytes, qmk_model::weight_bytes(&c).unwrap().total.0);
+        assert_eq!(
+            m.device_bytes,
+            m.weight_bytes + m.kv_cache_bytes + m.scratch_bytes
+        );
+        assert!(m.scratch_bytes > 0);
+        // 72B's weights alone exceed a 128 GiB host's staging memory.
+        assert!(m.host_staging_bytes > 128 << 30);
+    }
 
     #[test]
     fn report_for_14b_names_split_tensors() {
