@@ -76,15 +76,6 @@ impl<F: FnMut()> UploadTimer<F> {
     }
 }
 
-impl<F: FnMut()> qmk_backend_cudarc::Progress for UploadTimer<F> {
-    fn begin(&mut self, _: &str, _: u64) {
-        UploadTimer::begin(self)
-    }
-    fn finish(&mut self) {
-        UploadTimer::finish(self)
-    }
-}
-
 impl<F: FnMut()> qmk_backend_cust::Progress for UploadTimer<F> {
     fn begin(&mut self, _: &str, _: u64) {
         UploadTimer::begin(self)

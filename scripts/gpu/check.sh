@@ -56,3 +56,6 @@ echo "== summary"
 printf '%s\n' "${summary[@]}"
 grep -hE "^test |test result|max rel err|trap probe|  (split|unsplit)|determinism|error paths| -> " "$OUT"/*.log 2>/dev/null | tail -30
 cat "$OUT/bench.jsonl" 2>/dev/null
+
+# Exit non-zero when any step failed (the greps above only report).
+! printf %s\\n "${summary[@]}" | grep -qv "rc=0$"

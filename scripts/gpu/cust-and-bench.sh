@@ -76,3 +76,6 @@ printf '%s\n' "${summary[@]}"
 grep -hE "^test |test result|SKIPPED|max rel err|bit-identical|reset recovers" "$OUT"/cust-gpu-tests.log 2>/dev/null | tail -20
 grep -hE "time:|thrpt:" -B1 "$OUT"/backend-bench.log 2>/dev/null | grep -vE "^--" | tail -24
 cat "$OUT/bench-table.md" 2>/dev/null
+
+# Exit non-zero when any step failed (the greps above only report).
+! printf %s\\n "${summary[@]}" | grep -qv "rc=0$"

@@ -12,7 +12,7 @@ use cudarc::driver::{result, sys, CudaContext, DriverError};
 use qmk_engine::{Backend, BackendKind, StepOutput};
 use qmk_kernels::host::{
     base_params, duration_ns, set_buffer, tie_embeddings, weight_chunks, Buffer, GpuOptions,
-    LaunchInfo, MemoryPlan, ABORT_GRACE, MAX_KV_LAYER_BYTES, UPLOAD_PIECE_BYTES,
+    LaunchInfo, MemoryPlan, Progress, ABORT_GRACE, MAX_KV_LAYER_BYTES, UPLOAD_PIECE_BYTES,
 };
 use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG};
 use qmk_kernels::{
@@ -27,20 +27,6 @@ use crate::mem::{DeviceBuffer, StatusBlock};
 
 /// How a [`CudarcBackend`] is set up (shared with the cust backend).
 pub type Options = GpuOptions;
-
-/// Upload progress (weights can be tens of GB).
-///
-/// The same methods as [`qmk_kernels::host::Progress`], but still this
-/// crate's own trait: downstream code implements both backends' traits for
-/// one type, which one shared trait would make a conflicting impl.
-pub trait Progress {
-    fn begin(&mut self, _what: &str, _total_bytes: u64) {}
-    fn advance(&mut self, _bytes: u64) {}
-    fn finish(&mut self) {}
-}
-
-/// No progress reporting.
-impl Progress for () {}
 
 pub(crate) struct Functions {
     pub step: sys::CUfunction,
@@ -71,8 +57,6 @@ pub struct CudarcBackend {
     pub(crate) status: StatusBlock,
     pub(crate) sync: DeviceBuffer,
     pub(crate) logits: DeviceBuffer,
-    /// Weight bytes one decode step reads (`memory.weight_bytes_per_step`).
-    pub(crate) weight_bytes: u64,
     _buffers: Vec<DeviceBuffer>,
     module: sys::CUmodule,
     // Last: everything above is freed while the context is alive.
@@ -339,7 +323,6 @@ impl CudarcBackend {
             debug_flags: 0,
             last_argmax: 0,
             opts,
-            weight_bytes: memory.weight_bytes_per_step,
             memory,
             status,
             sync,

@@ -9,78 +9,13 @@ use std::time::Duration;
 
 use cudarc::driver::{result, sys};
 use qmk_engine::Backend;
+use qmk_kernels::host::{median, BenchOptions, BenchReport};
 use qmk_kernels::params::{FLAG_BARRIER_FENCED, SKIP_SHIFT};
 use qmk_kernels::{StreamParams, FLAG_TOKEN_FROM_ARGMAX, THREADS_PER_CTA};
 
 use crate::backend::CudarcBackend;
 use crate::error::{Error, Result};
 use crate::mem::DeviceBuffer;
-
-/// What [`CudarcBackend::bench`] runs.
-#[derive(Debug, Clone)]
-pub struct BenchOptions {
-    /// Untimed steps first.
-    pub warmup: usize,
-    /// Timed steps (the median is reported).
-    pub steps: usize,
-    /// Token of position 0; later tokens are the kernel's own greedy picks
-    /// (read on the device, no host round trip).
-    pub first_token: u32,
-    /// Size of the streaming-read buffer for the floor.
-    pub stream_bytes: u64,
-    pub stream_reps: usize,
-}
-
-impl Default for BenchOptions {
-    fn default() -> Self {
-        BenchOptions {
-            warmup: 16,
-            steps: 128,
-            first_token: 9707,
-            stream_bytes: 4 << 30,
-            stream_reps: 10,
-        }
-    }
-}
-
-/// Results, with the floor measured in the same run.
-#[derive(Debug, Clone, PartialEq)]
-pub struct BenchReport {
-    pub device: String,
-    pub tok_per_s: f64,
-    /// Median over the timed steps, device events.
-    pub us_per_step: f64,
-    pub us_p10: f64,
-    pub us_p90: f64,
-    /// Mean bytes one timed step must move.
-    pub bytes_per_step: u64,
-    /// bytes_per_step / us_per_step.
-    pub gbps: f64,
-    /// Streaming-read bandwidth, same cubin, same run.
-    pub floor_gbps: f64,
-    /// floor time / measured time, in percent.
-    pub pct_of_floor: f64,
-    /// Floor tok/s: floor_gbps / bytes_per_step.
-    pub floor_tok_per_s: f64,
-    pub barriers_per_step: u32,
-    pub grid: u32,
-    pub ctas_per_sm: u32,
-    pub registers: u32,
-    pub warmup: usize,
-    pub steps: usize,
-    /// Positions decoded, 0..context.
-    pub context: usize,
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-fn pct(v: &[f64], p: f64) -> f64 {
-    // v sorted
-    v[((v.len() - 1) as f64 * p).round() as usize]
-}
 
 impl CudarcBackend {
     fn elapsed_ms(&mut self, a: sys::CUevent, b: sys::CUevent) -> Result<f64> {
@@ -243,41 +178,19 @@ impl CudarcBackend {
     /// feeds its own pick to the next step on the device), timed per step
     /// with events, then the floor. Resets the engine before and after.
     pub fn bench(&mut self, opts: &BenchOptions) -> Result<BenchReport> {
-        let total = opts.warmup + opts.steps;
-        let mut us = self.time_steps(opts, 0, true)?;
+        let us = self.time_steps(opts, 0, true)?;
         let barriers = self.barriers_last_step()?;
         self.reset()?;
-        let us_med = median(&mut us);
-        let (p10, p90) = (pct(&us, 0.1), pct(&us, 0.9));
-
-        // Bytes: weights of one step + the mean KV traffic of the timed steps.
-        let c = &self.config;
-        let kv_row = 2 * c.kv_dim() as u64 * c.num_hidden_layers as u64 * 2; // K and V, bf16
-        let kv_total: u64 = (opts.warmup..total)
-            .map(|p| kv_row * (p as u64 + 1) + kv_row)
-            .sum();
-        let bytes_per_step = self.weight_bytes + kv_total / opts.steps as u64;
-
         let floor_gbps = self.stream_bandwidth(opts.stream_bytes, opts.stream_reps)?;
-        let gbps = bytes_per_step as f64 / (us_med * 1e-6) / 1e9;
-        Ok(BenchReport {
-            device: format!("{} ({})", self.info.name, self.info.arch),
-            tok_per_s: 1e6 / us_med,
-            us_per_step: us_med,
-            us_p10: p10,
-            us_p90: p90,
-            bytes_per_step,
-            gbps,
+        Ok(BenchReport::from_times(
+            format!("{} ({})", self.info.name, self.info.arch),
+            &self.config,
+            self.memory.weight_bytes_per_step,
+            opts,
+            us,
             floor_gbps,
-            pct_of_floor: 100.0 * gbps / floor_gbps,
-            floor_tok_per_s: floor_gbps * 1e9 / bytes_per_step as f64,
-            barriers_per_step: barriers,
-            grid: self.launch.grid,
-            ctas_per_sm: self.launch.ctas_per_sm,
-            registers: self.launch.registers,
-            warmup: opts.warmup,
-            steps: opts.steps,
-            context: total,
-        })
+            barriers,
+            &self.launch,
+        ))
     }
 }

@@ -22,9 +22,10 @@ mod error;
 mod mem;
 mod probe;
 
-pub use backend::{CudarcBackend, Options, Progress};
-pub use bench::{BenchOptions, BenchReport};
+pub use backend::{CudarcBackend, Options};
 pub use device::{device_count, device_info, devices, init_driver};
 pub use error::{Error, Result};
 pub use probe::{ProbeReport, ProbeRun};
-pub use qmk_kernels::host::{DeviceInfo, LaunchInfo, MemoryPlan};
+pub use qmk_kernels::host::{
+    BenchOptions, BenchReport, DeviceInfo, LaunchInfo, MemoryPlan, Progress,
+};
