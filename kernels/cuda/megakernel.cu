@@ -24,6 +24,14 @@
 #include "argmax.cuh"
 #include "stream.cuh"
 #include "trap_probe.cuh"
+// The prefill kernel (issue 9): same cubin, own entry point.
+#include "prefill_mma.cuh"
+#include "prefill_gemm.cuh"
+#include "prefill_norm.cuh"
+#include "prefill_rope.cuh"
+#include "prefill_attention.cuh"
+#include "prefill_ops.cuh"
+#include "prefill.cuh"
 
 // Shared memory: the activation vector of the current phase, or the
 // attention merge buffers.

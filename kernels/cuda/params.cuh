@@ -95,6 +95,28 @@ constexpr u32 kErrNone = 0, kErrBarrierTimeout = 1, kErrAborted = 2, kErrBadToke
               kErrBadPos = 4;
 constexpr u32 kPhaseStart = 0, kPhaseQkv = 1, kPhaseAttention = 2, kPhaseOProj = 3,
               kPhaseGateUp = 4, kPhaseDown = 5, kPhaseLmHead = 6, kPhaseArgmax = 7;
+// Phases of the prefill kernel (qmk_prefill_chunk).
+constexpr u32 kPhasePfNorm = 8, kPhasePfQkv = 9, kPhasePfRope = 10, kPhasePfAttention = 11,
+              kPhasePfOProj = 12, kPhasePfNorm2 = 13, kPhasePfGateUp = 14, kPhasePfDown = 15;
+
+// Prefill parameters (qmk_prefill_chunk), passed by value like Params.
+// base: weights, KV cache, rope tables, logits / partials / argmax_out,
+// sync, status, spin budget, flags, eps exactly as for a decode step; base.x
+// points at the LAST row of `act` (the final norm + LM head read it there);
+// base.pos and base.token are unused. T = max_tokens rows of scratch.
+struct PrefillParams {
+    Params base;
+    u64 tokens;      // [n] u32 token ids of this chunk (device memory)
+    u64 act;         // [T, H] f32 residual stream of the chunk
+    u64 xa;          // [T, max(H, Q)] bf16 normed input / attention output
+    u64 qkv;         // [T, Q + 2 KV] f32 projections + bias, before rotary
+    u64 qb;          // [T, Q] bf16 rotated queries
+    u64 hb;          // [T, I] bf16 silu(gate) * up
+    u32 n_tokens;    // n: positions in this chunk (1..=max_tokens)
+    u32 start;       // position of tokens[0]
+    u32 max_tokens;  // T: rows of every scratch buffer above
+    u32 reserved;
+};
 
 // Trap probe: reads element [l, rows-1, cols-1] of a stacked [layers, rows,
 // cols] bf16 tensor for every l, through chunk bases exactly as the

@@ -28,6 +28,22 @@ pub struct KernelBuild {
     pub smem_bytes: u32,
     /// Grid barriers per decode step.
     pub barriers_per_step: u32,
+    /// Dynamic shared memory per CTA of the prefill kernel, bytes.
+    pub prefill_smem_bytes: u32,
+    /// Grid barriers per prefill chunk (8 per layer + 1).
+    pub prefill_barriers: u32,
+}
+
+/// Prefill GEMM tile (kernels/cuda/prefill_gemm.cuh): rows x columns, K step
+/// and padded row length of the shared-memory tiles (bf16 elements).
+pub const PREFILL_GEMM_TILE: (u64, u64, u64, u64) = (64, 128, 32, 40);
+
+/// Dynamic shared memory of the prefill kernel for hidden size `h`: the
+/// gate/up GEMM stage (one X tile, two weight tiles) or the final norm's
+/// f32 vector, whichever is larger.
+pub fn prefill_smem_bytes(h: u64) -> u64 {
+    let (bm, bn, _, ld) = PREFILL_GEMM_TILE;
+    ((bm + 2 * bn) * ld * 2).max(h * 4)
 }
 
 fn dim(field: &'static str, v: usize) -> Result<u64> {
@@ -141,6 +157,16 @@ impl KernelBuild {
             reason: "shared memory size overflows".into(),
         })?;
         let barriers = l * 5 + 1;
+        need(
+            h % PREFILL_GEMM_TILE.2 == 0 && q % PREFILL_GEMM_TILE.2 == 0 && i % PREFILL_GEMM_TILE.2 == 0,
+            "hidden_size",
+            format!(
+                "the prefill GEMM needs hidden ({h}), q_dim ({q}) and intermediate ({i}) in multiples of {}",
+                PREFILL_GEMM_TILE.2
+            ),
+        )?;
+        let pf_smem = prefill_smem_bytes(h);
+        let pf_barriers = l * 8 + 1;
         let consts: Vec<(&str, u64)> = vec![
             ("QMK_HIDDEN", h),
             ("QMK_INTER", i),
@@ -155,6 +181,8 @@ impl KernelBuild {
             ("QMK_SMEM_FLOATS", smem_floats),
             ("QMK_THREADS_PER_CTA", THREADS_PER_CTA as u64),
             ("QMK_BARRIERS_PER_STEP", barriers),
+            ("QMK_PREFILL_SMEM_BYTES", pf_smem),
+            ("QMK_PREFILL_BARRIERS", pf_barriers),
         ];
         let rendered = qmk_layout::try_render_header(&plan, &consts)?;
         // The constants live in namespace qmk_plan; the kernel uses them
@@ -193,6 +221,11 @@ impl KernelBuild {
             fingerprint,
             smem_bytes,
             barriers_per_step: barriers as u32,
+            prefill_smem_bytes: u32::try_from(pf_smem).map_err(|_| KernelsError::Config {
+                field: "hidden_size",
+                reason: "prefill shared memory size overflows".into(),
+            })?,
+            prefill_barriers: pf_barriers as u32,
         })
     }
 
@@ -202,5 +235,31 @@ impl KernelBuild {
         v.push(("qmk_plan.h", &self.plan_header));
         v.push(("qmk_params_check.h", &self.params_check));
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_constants_are_rendered() {
+        for (preset, h) in [("0.5b", 896u64), ("7b", 3584), ("72b", 8192)] {
+            let c = Config::preset(preset).unwrap();
+            let b = KernelBuild::new(&c).unwrap();
+            assert_eq!(u64::from(b.prefill_smem_bytes), prefill_smem_bytes(h));
+            assert_eq!(
+                b.prefill_barriers,
+                8 * c.num_hidden_layers as u32 + 1,
+                "{preset}"
+            );
+            assert!(b
+                .plan_header
+                .contains("constexpr unsigned long long QMK_PREFILL_SMEM_BYTES"));
+        }
+        // (64 + 2 x 128) rows x 40 bf16: the gate/up stage; 72B's final-norm
+        // vector (8192 f32) is larger.
+        assert_eq!(prefill_smem_bytes(896), 25_600);
+        assert_eq!(prefill_smem_bytes(8192), 32_768);
     }
 }

@@ -30,7 +30,7 @@ use qmk_model::{Config, WeightKind, Weights};
 
 use crate::error::{KernelsError, Result};
 use crate::header::KernelBuild;
-use crate::params::{HostStatus, KernelParams, SyncState, THREADS_PER_CTA};
+use crate::params::{HostStatus, KernelParams, PrefillParams, SyncState, THREADS_PER_CTA};
 
 /// How a CUDA backend is set up (the same for every binding).
 #[derive(Debug, Clone)]
@@ -53,6 +53,11 @@ pub struct GpuOptions {
     /// (tests force a plan made for another offset model to show the
     /// 32-bit trap in a real decode; see crates/backend-cust/tests/scale.rs).
     pub plan: Option<qmk_layout::ModelPlan>,
+    /// Prompt positions per launch of the tensor-core prefill kernel
+    /// (`qmk_prefill_chunk`, issue 9). `None` (the default) keeps
+    /// `Backend::prefill` on one decode step per prompt token. Opt-in until
+    /// measured on a GPU (NOTES.md, "prefill (not yet run on a GPU)").
+    pub prefill_chunk: Option<u32>,
 }
 
 impl Default for GpuOptions {
@@ -65,6 +70,7 @@ impl Default for GpuOptions {
             step_deadline: Duration::from_secs(30),
             ctas_per_sm: None,
             plan: None,
+            prefill_chunk: None,
         }
     }
 }
@@ -221,6 +227,103 @@ pub fn set_buffer(params: &mut KernelParams, buffer: Buffer, addr: u64) {
     *field = addr;
 }
 
+/// A scratch allocation of the prefill kernel ([`PrefillParams`]), sized for
+/// a chunk of T positions (tokens: for the whole KV capacity).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillBuffer {
+    /// `[C]` u32: the prompt's token ids by position.
+    Tokens,
+    /// `[T, H]` f32.
+    Act,
+    /// `[T, max(H, Q)]` bf16.
+    Xa,
+    /// `[T, Q + 2 KV]` f32.
+    Qkv,
+    /// `[T, Q]` bf16.
+    Qb,
+    /// `[T, I]` bf16.
+    Hb,
+}
+
+impl PrefillBuffer {
+    /// The field name in [`PrefillParams`].
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefillBuffer::Tokens => "prefill tokens",
+            PrefillBuffer::Act => "prefill act",
+            PrefillBuffer::Xa => "prefill xa",
+            PrefillBuffer::Qkv => "prefill qkv",
+            PrefillBuffer::Qb => "prefill qb",
+            PrefillBuffer::Hb => "prefill hb",
+        }
+    }
+}
+
+/// Points `buffer`'s field of `params` at device address `addr`.
+pub fn set_prefill_buffer(params: &mut PrefillParams, buffer: PrefillBuffer, addr: u64) {
+    let field = match buffer {
+        PrefillBuffer::Tokens => &mut params.tokens,
+        PrefillBuffer::Act => &mut params.act,
+        PrefillBuffer::Xa => &mut params.xa,
+        PrefillBuffer::Qkv => &mut params.qkv,
+        PrefillBuffer::Qb => &mut params.qb,
+        PrefillBuffer::Hb => &mut params.hb,
+    };
+    *field = addr;
+}
+
+/// The prefill parameter block of one launch: positions `start..start +
+/// len` of the prompt, `base` the engine's decode block (weights, caches,
+/// ...), `scratch` a block whose prefill buffers are set
+/// ([`set_prefill_buffer`]) and whose `max_tokens` is the chunk size.
+/// `base.x` is pointed at the last row of `act` (the LM head reads it).
+pub fn prefill_launch_params(
+    config: &Config,
+    base: &KernelParams,
+    scratch: &PrefillParams,
+    start: u32,
+    len: u32,
+    flags: u32,
+) -> PrefillParams {
+    let mut p = *scratch;
+    p.base = *base;
+    p.base.flags = flags;
+    p.base.token = 0;
+    p.base.pos = start;
+    p.base.x = scratch.act + u64::from(len.saturating_sub(1)) * config.hidden_size as u64 * 4;
+    p.tokens = scratch.tokens + u64::from(start) * 4;
+    p.n_tokens = len;
+    p.start = start;
+    p
+}
+
+/// The chunks of a prompt at positions `start..start + n`: `(start, len)`
+/// with `len <= chunk`, in order.
+pub fn prefill_chunks(start: usize, n: usize, chunk: u32) -> Vec<(u32, u32)> {
+    let chunk = chunk.max(1) as usize;
+    (0..n)
+        .step_by(chunk)
+        .map(|i| ((start + i) as u32, chunk.min(n - i) as u32))
+        .collect()
+}
+
+/// The chunk a backend uses: never more positions than the KV cache holds
+/// (a larger chunk could never be filled, and its scratch would be waste).
+pub fn clamp_prefill_chunk(chunk: Option<u32>, capacity: u32) -> Option<u32> {
+    chunk.map(|c| c.min(capacity))
+}
+
+/// Checks a prefill chunk size against the KV capacity: `1..=capacity`.
+pub fn check_prefill_chunk(chunk: u32, capacity: u32) -> Result<()> {
+    if chunk == 0 || chunk > capacity {
+        return Err(KernelsError::Config {
+            field: "prefill_chunk",
+            reason: format!("{chunk} is outside 1..={capacity} (the KV capacity)"),
+        });
+    }
+    Ok(())
+}
+
 /// A parameter block with every address zero and the scalars set: the
 /// backend then fills weight chunks ([`WeightChunk::set`]), buffers
 /// ([`set_buffer`]) and `status`.
@@ -264,6 +367,9 @@ pub struct MemoryPlan {
     /// Scratch buffers and their sizes, in allocation order (after the
     /// weights). The rope tables are uploaded; the rest start zeroed.
     pub buffers: Vec<(Buffer, u64)>,
+    /// The prefill kernel's scratch for a chunk of `prefill_chunk`
+    /// positions, allocated after `buffers` (empty when prefill is off).
+    pub prefill: Vec<(PrefillBuffer, u64)>,
     /// Everything together: what must be free on the device.
     pub total_bytes: u64,
 }
@@ -295,6 +401,32 @@ impl MemoryPlan {
     /// [`MemoryPlan::new`] puts on `kv_layer_bytes`: for a backend that
     /// reports that limit in its own words.
     pub fn sizes(config: &Config, capacity: u32, grid: u32) -> Result<MemoryPlan> {
+        MemoryPlan::sizes_with_prefill(config, capacity, grid, None)
+    }
+
+    /// [`MemoryPlan::new`] plus the prefill kernel's scratch for chunks of
+    /// `prefill_chunk` positions.
+    pub fn new_with_prefill(
+        config: &Config,
+        capacity: u32,
+        grid: u32,
+        prefill_chunk: Option<u32>,
+    ) -> Result<MemoryPlan> {
+        let base = MemoryPlan::new(config, capacity, grid)?;
+        if prefill_chunk.is_none() {
+            return Ok(base);
+        }
+        MemoryPlan::sizes_with_prefill(config, capacity, grid, prefill_chunk)
+    }
+
+    /// [`MemoryPlan::sizes`] plus the prefill kernel's scratch for chunks
+    /// of `prefill_chunk` positions (`None`: none).
+    pub fn sizes_with_prefill(
+        config: &Config,
+        capacity: u32,
+        grid: u32,
+        prefill_chunk: Option<u32>,
+    ) -> Result<MemoryPlan> {
         let wb = qmk_model::weight_bytes(config)?;
         let cap = u64::from(capacity);
         let kv_dim = config.kv_dim() as u64;
@@ -319,9 +451,33 @@ impl MemoryPlan {
             (Buffer::ArgmaxOut, 16),
             (Buffer::Sync, size_of::<SyncState>() as u64),
         ];
+        let mut prefill = Vec::new();
+        if let Some(t) = prefill_chunk {
+            check_prefill_chunk(t, capacity)?;
+            let t = u64::from(t);
+            let rows = |cols: usize, elem: u64| {
+                mul(
+                    mul(t, cols as u64, "a prefill buffer")?,
+                    elem,
+                    "a prefill buffer",
+                )
+            };
+            let xa_cols = config.hidden_size.max(config.q_dim());
+            let qkv_cols = config.q_dim() + 2 * config.kv_dim();
+            prefill = vec![
+                (PrefillBuffer::Tokens, mul(cap, 4, "the prefill tokens")?),
+                (PrefillBuffer::Act, rows(config.hidden_size, 4)?),
+                (PrefillBuffer::Xa, rows(xa_cols, 2)?),
+                (PrefillBuffer::Qkv, rows(qkv_cols, 4)?),
+                (PrefillBuffer::Qb, rows(config.q_dim(), 2)?),
+                (PrefillBuffer::Hb, rows(config.intermediate_size, 2)?),
+            ];
+        }
         let total = buffers
             .iter()
-            .try_fold(wb.total.0, |a, &(_, b)| a.checked_add(b))
+            .map(|&(_, b)| b)
+            .chain(prefill.iter().map(|&(_, b)| b))
+            .try_fold(wb.total.0, |a, b| a.checked_add(b))
             .ok_or_else(|| overflow("the device memory plan"))?;
         Ok(MemoryPlan {
             weight_bytes: wb.total.0,
@@ -330,6 +486,7 @@ impl MemoryPlan {
             kv_layer_bytes: kv_layer,
             rope_table_bytes: rope,
             buffers,
+            prefill,
             total_bytes: total,
         })
     }
@@ -560,6 +717,49 @@ impl BenchReport {
     }
 }
 
+/// Matrix FLOPs of a prefill of positions `start..start + n`: every layer's
+/// projections for every position (2 x params x n), causal attention
+/// (Q K^T and P V over positions 0..=p for each p: 4 x Q x (p + 1) per
+/// layer) and the LM head for the last position only.
+pub fn prefill_flops(config: &Config, start: usize, n: usize) -> f64 {
+    let (h, i, q, kv) = (
+        config.hidden_size as f64,
+        config.intermediate_size as f64,
+        config.q_dim() as f64,
+        config.kv_dim() as f64,
+    );
+    let l = config.num_hidden_layers as f64;
+    let per_token = 2.0 * l * (h * (q + 2.0 * kv) + q * h + 3.0 * h * i);
+    let (s, n_f) = (start as f64, n as f64);
+    // sum over p in start..start+n of (p + 1)
+    let ctx = n_f * s + n_f * (n_f + 1.0) / 2.0;
+    per_token * n_f + 4.0 * l * q * ctx + 2.0 * config.vocab_size as f64 * h
+}
+
+/// Time to first token of the prefill kernel (`qwen-mk bench --prefill N`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefillReport {
+    pub device: String,
+    /// Prompt length.
+    pub tokens: usize,
+    /// Positions per launch.
+    pub chunk: u32,
+    pub launches: usize,
+    /// Median over `reps` prefills of the whole prompt (device events
+    /// around the launches: prompt ids already on the device).
+    pub ms_median: f64,
+    pub ms_p10: f64,
+    pub ms_p90: f64,
+    pub reps: usize,
+    /// [`prefill_flops`] / time.
+    pub tflops: f64,
+    pub grid: u32,
+    pub registers: u32,
+    pub smem_bytes: u32,
+    /// Grid barriers per launch, as the kernel counted them.
+    pub barriers_per_launch: u32,
+}
+
 /// CUDA driver errors after which the context cannot be used again.
 pub fn is_sticky(code: u32) -> bool {
     matches!(
@@ -683,6 +883,56 @@ mod tests {
         let sized = MemoryPlan::sizes(&big, u32::MAX, 132).unwrap();
         assert!(sized.kv_layer_bytes > MAX_KV_LAYER_BYTES);
         assert_eq!(MemoryPlan::sizes(&config, 4096, 132).unwrap(), plan);
+    }
+
+    #[test]
+    fn prefill_flop_model() {
+        let c = Config::preset("7b").unwrap();
+        // ~2 x 7.07e9 non-embedding params... per token, plus attention.
+        let one = prefill_flops(&c, 0, 1);
+        assert!((13.0e9..15.0e9).contains(&one), "{one}");
+        let a = prefill_flops(&c, 0, 512);
+        let b = prefill_flops(&c, 0, 256) + prefill_flops(&c, 256, 256);
+        let lm = 2.0 * c.vocab_size as f64 * c.hidden_size as f64;
+        assert!((a - (b - lm)).abs() < 1.0, "{a} vs {b}");
+    }
+
+    #[test]
+    fn prefill_scratch_and_chunks() {
+        let config = Config::preset("7b").unwrap();
+        let off = MemoryPlan::new(&config, 4096, 132).unwrap();
+        assert!(off.prefill.is_empty());
+        let on = MemoryPlan::new_with_prefill(&config, 4096, 132, Some(512)).unwrap();
+        let size = |b| on.prefill.iter().find(|&&(x, _)| x == b).unwrap().1;
+        assert_eq!(size(PrefillBuffer::Tokens), 4096 * 4);
+        assert_eq!(size(PrefillBuffer::Act), 512 * 3584 * 4);
+        assert_eq!(size(PrefillBuffer::Qkv), 512 * (3584 + 2 * 512) * 4);
+        assert_eq!(size(PrefillBuffer::Hb), 512 * 18944 * 2);
+        let extra: u64 = on.prefill.iter().map(|&(_, b)| b).sum();
+        assert_eq!(on.total_bytes, off.total_bytes + extra);
+        let e = MemoryPlan::new_with_prefill(&config, 16, 132, Some(17)).unwrap_err();
+        assert!(e.to_string().contains("prefill_chunk"), "{e}");
+        assert_eq!(clamp_prefill_chunk(Some(256), 34), Some(34));
+        assert_eq!(clamp_prefill_chunk(Some(16), 34), Some(16));
+        assert_eq!(clamp_prefill_chunk(None, 34), None);
+        assert_eq!(prefill_chunks(5, 7, 3), vec![(5, 3), (8, 3), (11, 1)]);
+        assert_eq!(prefill_chunks(0, 1, 512), vec![(0, 1)]);
+
+        let mut scratch: PrefillParams = bytemuck::Zeroable::zeroed();
+        for (i, &(b, _)) in on.prefill.iter().enumerate() {
+            set_prefill_buffer(&mut scratch, b, 0x10_0000 * (i as u64 + 1));
+        }
+        scratch.max_tokens = 512;
+        let mut base = base_params(&config, 4096, Duration::from_secs(1));
+        base.x = 0xdead;
+        let p = prefill_launch_params(&config, &base, &scratch, 512, 100, 4);
+        assert_eq!(p.tokens, scratch.tokens + 512 * 4);
+        assert_eq!(p.base.x, scratch.act + 99 * 3584 * 4);
+        assert_eq!(
+            (p.n_tokens, p.start, p.max_tokens, p.base.flags),
+            (100, 512, 512, 4)
+        );
+        assert_eq!(p.base.kv_capacity, 4096);
     }
 
     fn tiny(tied: bool) -> Config {

@@ -26,9 +26,9 @@ pub use compile::{
     default_cache_dir, include_dirs, parse_ptxas_log, Arch, Compiler, Cubin, Resources,
 };
 pub use error::{KernelsError, Result};
-pub use header::{KernelBuild, WARPS_PER_CTA};
+pub use header::{prefill_smem_bytes, KernelBuild, PREFILL_GEMM_TILE, WARPS_PER_CTA};
 pub use nvrtc::Nvrtc;
 pub use params::{
-    HostStatus, KernelParams, ProbeFillParams, ProbeParams, StreamParams, SyncState,
+    HostStatus, KernelParams, PrefillParams, ProbeFillParams, ProbeParams, StreamParams, SyncState,
     FLAG_DEBUG_HANG, FLAG_TOKEN_FROM_ARGMAX, MAX_CHUNKS, THREADS_PER_CTA,
 };

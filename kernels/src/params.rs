@@ -76,6 +76,27 @@ pub struct KernelParams {
     pub reserved: u32,
 }
 
+/// Prefill parameters (`qmk::PrefillParams`, entry `qmk_prefill_chunk`):
+/// one launch processes positions `start..start + n_tokens` of a prompt.
+/// `base` is a decode parameter block (weights, caches, rope, logits,
+/// partials, argmax, sync, status, spin budget, flags, eps) with `base.x`
+/// pointed at the LAST row of `act`. T = `max_tokens` scratch rows.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct PrefillParams {
+    pub base: KernelParams,
+    pub tokens: u64, // [n] u32
+    pub act: u64,    // [T, H] f32 residual stream
+    pub xa: u64,     // [T, max(H, Q)] bf16 normed input / attention output
+    pub qkv: u64,    // [T, Q + 2 KV] f32
+    pub qb: u64,     // [T, Q] bf16 rotated queries
+    pub hb: u64,     // [T, I] bf16 silu(gate) * up
+    pub n_tokens: u32,
+    pub start: u32,
+    pub max_tokens: u32,
+    pub reserved: u32,
+}
+
 /// Grid-barrier state in device memory (`qmk::SyncState`); zeroed on reset.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
@@ -165,6 +186,14 @@ pub fn phase_name(phase: u32) -> &'static str {
         5 => "mlp down",
         6 => "lm_head",
         7 => "argmax",
+        8 => "prefill rms_norm",
+        9 => "prefill qkv_proj",
+        10 => "prefill rotary + KV write",
+        11 => "prefill attention",
+        12 => "prefill o_proj",
+        13 => "prefill post_attention_layernorm",
+        14 => "prefill mlp gate/up",
+        15 => "prefill mlp down",
         _ => "unknown phase",
     }
 }
@@ -259,6 +288,17 @@ pub fn params_check_header() -> String {
             rms_norm_eps,
             reserved,
         ]
+    );
+    // `base` is at offset 0; its size is asserted through `tokens`' offset.
+    check_struct!(
+        out,
+        "qmk::PrefillParams",
+        "PrefillParams",
+        PrefillParams,
+        [tokens, act, xa, qkv, qb, hb, n_tokens, start, max_tokens, reserved]
+    );
+    out.push_str(
+        "static_assert(qmk::kPhasePfNorm == 8u && qmk::kPhasePfDown == 15u, \"prefill phases differ\");\n",
     );
     check_struct!(
         out,
@@ -367,6 +407,12 @@ mod tests {
         assert_eq!(size_of::<HostStatus>(), 32);
         // Kernel parameters must stay under the 4 KiB launch limit.
         assert!(size_of::<KernelParams>() <= 4096);
+        assert_eq!(
+            size_of::<PrefillParams>(),
+            size_of::<KernelParams>() + 6 * 8 + 4 * 4
+        );
+        assert!(size_of::<PrefillParams>() <= 4096);
+        assert_eq!(offset_of!(PrefillParams, base), 0);
     }
 
     #[test]
@@ -374,5 +420,7 @@ mod tests {
         let h = params_check_header();
         assert!(h.contains("qmk::Params::rms_norm_eps: offset differs"));
         assert!(h.contains("sizeof(qmk::ProbeParams) == "));
+        assert!(h.contains("qmk::PrefillParams::max_tokens: offset differs"));
+        assert_eq!(phase_name(11), "prefill attention");
     }
 }

@@ -23,11 +23,23 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("argmax.cuh", include_str!("../cuda/argmax.cuh")),
     ("stream.cuh", include_str!("../cuda/stream.cuh")),
     ("trap_probe.cuh", include_str!("../cuda/trap_probe.cuh")),
+    ("prefill_mma.cuh", include_str!("../cuda/prefill_mma.cuh")),
+    ("prefill_gemm.cuh", include_str!("../cuda/prefill_gemm.cuh")),
+    ("prefill_norm.cuh", include_str!("../cuda/prefill_norm.cuh")),
+    ("prefill_rope.cuh", include_str!("../cuda/prefill_rope.cuh")),
+    (
+        "prefill_attention.cuh",
+        include_str!("../cuda/prefill_attention.cuh"),
+    ),
+    ("prefill_ops.cuh", include_str!("../cuda/prefill_ops.cuh")),
+    ("prefill.cuh", include_str!("../cuda/prefill.cuh")),
 ];
 
 /// Kernel entry points in the cubin.
 pub mod entry {
     pub const DECODE_STEP: &str = "qmk_decode_step";
+    /// One prompt chunk (`qmk::PrefillParams`), tensor cores.
+    pub const PREFILL_CHUNK: &str = "qmk_prefill_chunk";
     pub const STREAM_READ: &str = "qmk_stream_read";
     pub const TRAP_PROBE: &str = "qmk_trap_probe";
     pub const PROBE_FILL: &str = "qmk_probe_fill";

@@ -86,3 +86,25 @@ fn a_broken_plan_fails_to_compile_with_the_tensor_named() {
     let err = c.compile(&build, Arch::SM90).unwrap_err().to_string();
     assert!(err.contains("qmk::Params::pos"), "{err}");
 }
+
+/// The prefill kernel (issue 9) is in every cubin: its ptxas report for the
+/// 0.5B and 7B shapes on sm_90 (`-- --nocapture` prints it; NOTES.md keeps
+/// the numbers).
+#[test]
+fn prefill_kernel_is_in_the_cubin() {
+    let Some(c) = compiler() else { return };
+    for preset in ["0.5b", "7b"] {
+        let build = KernelBuild::new(&Config::preset(preset).unwrap()).unwrap();
+        let cubin = c.compile(&build, Arch::SM90).unwrap();
+        let r = cubin
+            .resources()
+            .into_iter()
+            .find(|r| r.function == qmk_kernels::source::entry::PREFILL_CHUNK)
+            .unwrap_or_else(|| panic!("{preset}: no prefill kernel in the ptxas report"));
+        println!(
+            "{preset:>5} sm_90 prefill: {r}, + {} B dynamic smem, {} barriers/chunk",
+            build.prefill_smem_bytes, build.prefill_barriers
+        );
+        assert!(r.registers > 0 && r.registers <= 128, "{r}");
+    }
+}

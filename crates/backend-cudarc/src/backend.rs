@@ -11,13 +11,14 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 use qmk_engine::{Backend, BackendKind, StepOutput};
 use qmk_kernels::host::{
-    base_params, duration_ns, set_buffer, tie_embeddings, weight_chunks, Buffer, GpuOptions,
-    LaunchInfo, MemoryPlan, Progress, ABORT_GRACE, MAX_KV_LAYER_BYTES, UPLOAD_PIECE_BYTES,
+    base_params, duration_ns, prefill_chunks, prefill_launch_params, set_buffer,
+    set_prefill_buffer, tie_embeddings, weight_chunks, Buffer, GpuOptions, LaunchInfo, MemoryPlan,
+    Progress, ABORT_GRACE, MAX_KV_LAYER_BYTES, UPLOAD_PIECE_BYTES,
 };
 use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG};
 use qmk_kernels::{
-    source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, KernelsError, Resources,
-    THREADS_PER_CTA,
+    source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, KernelsError, PrefillParams,
+    Resources, THREADS_PER_CTA,
 };
 use qmk_model::{Config, Weights};
 
@@ -33,6 +34,15 @@ pub(crate) struct Functions {
     pub stream_read: sys::CUfunction,
     pub probe: sys::CUfunction,
     pub probe_fill: sys::CUfunction,
+}
+
+/// The tensor-core prefill path (`GpuOptions::prefill_chunk`): its kernel,
+/// launch shape and a parameter block with its scratch buffers set.
+pub(crate) struct Prefill {
+    pub func: sys::CUfunction,
+    pub launch: LaunchInfo,
+    pub scratch: PrefillParams,
+    pub chunk: u32,
 }
 
 /// The megakernel engine on one GPU: weights, KV cache, scratch and the
@@ -57,6 +67,7 @@ pub struct CudarcBackend {
     pub(crate) status: StatusBlock,
     pub(crate) sync: DeviceBuffer,
     pub(crate) logits: DeviceBuffer,
+    pub(crate) prefill: Option<Prefill>,
     _buffers: Vec<DeviceBuffer>,
     module: sys::CUmodule,
     // Last: everything above is freed while the context is alive.
@@ -113,6 +124,7 @@ impl CudarcBackend {
                 field: "capacity",
                 reason: format!("{} is outside 1..=2^32-1", opts.capacity),
             })?;
+        let prefill_chunk = qmk_kernels::host::clamp_prefill_chunk(opts.prefill_chunk, capacity);
         let build = match &opts.plan {
             Some(plan) => KernelBuild::with_plan(&config, plan.clone())?,
             None => KernelBuild::new(&config)?,
@@ -219,8 +231,66 @@ impl CudarcBackend {
             ),
         })?;
 
+        // The prefill kernel, when enabled: same CTA size, its own shared
+        // memory; never more CTAs than the decode grid (the LM head's
+        // partials are sized for that grid).
+        let prefill_fn = match prefill_chunk {
+            None => None,
+            Some(_) => {
+                let f = get(entry::PREFILL_CHUNK)?;
+                if build.prefill_smem_bytes > info.max_smem_optin {
+                    return Err(Error::SharedMemory {
+                        needed: build.prefill_smem_bytes,
+                        available: info.max_smem_optin,
+                        device: format!("{} ({})", info.name, info.arch),
+                    });
+                }
+                // SAFETY: valid function handle.
+                unsafe {
+                    result::function::set_function_attribute(
+                        f,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        build.prefill_smem_bytes as i32,
+                    )
+                }
+                .map_err(drv("cuFuncSetAttribute"))?;
+                // SAFETY: valid function handle.
+                let occ = unsafe {
+                    result::occupancy::max_active_block_per_multiprocessor(
+                        f,
+                        THREADS_PER_CTA as i32,
+                        build.prefill_smem_bytes as usize,
+                    )
+                }
+                .map_err(drv("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+                // SAFETY: valid function handle.
+                let regs = unsafe {
+                    result::function::get_function_attribute(
+                        f,
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS,
+                    )
+                }
+                .unwrap_or(0) as u32;
+                let l = LaunchInfo::from_occupancy(
+                    occ,
+                    info.sms,
+                    Some(launch.ctas_per_sm),
+                    build.prefill_smem_bytes,
+                    regs,
+                )
+                .ok_or_else(|| Error::Launch {
+                    device: info.name.clone(),
+                    reason: format!(
+                        "no prefill CTA of {THREADS_PER_CTA} threads with {} B shared memory fits on an SM",
+                        build.prefill_smem_bytes
+                    ),
+                })?;
+                Some((f, l))
+            }
+        };
+
         // Memory plan, checked before the first allocation.
-        let memory = MemoryPlan::sizes(&config, capacity, launch.grid)?;
+        let memory = MemoryPlan::sizes_with_prefill(&config, capacity, launch.grid, prefill_chunk)?;
         if memory.kv_layer_bytes > MAX_KV_LAYER_BYTES {
             return Err(Error::Option {
                 field: "capacity",
@@ -304,6 +374,25 @@ impl CudarcBackend {
         let status = StatusBlock::new()?;
         params.status = status.device_ptr();
 
+        let prefill = match (prefill_fn, prefill_chunk) {
+            (Some((func, launch)), Some(chunk)) => {
+                let mut scratch: PrefillParams = bytemuck::Zeroable::zeroed();
+                for &(b, bytes) in &memory.prefill {
+                    let buf = DeviceBuffer::zeroed(bytes, b.name())?;
+                    set_prefill_buffer(&mut scratch, b, buf.ptr);
+                    buffers.push(buf);
+                }
+                scratch.max_tokens = chunk;
+                Some(Prefill {
+                    func,
+                    launch,
+                    scratch,
+                    chunk,
+                })
+            }
+            _ => None,
+        };
+
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
             .map_err(drv("cuStreamCreate"))?;
 
@@ -327,6 +416,7 @@ impl CudarcBackend {
             status,
             sync,
             logits,
+            prefill,
             _buffers: buffers,
             module,
             ctx,
@@ -376,6 +466,96 @@ impl CudarcBackend {
     /// Changes the host deadline of one step.
     pub fn set_step_deadline(&mut self, t: Duration) {
         self.opts.step_deadline = t;
+    }
+    /// The prefill kernel's launch shape and chunk size, when enabled
+    /// (`GpuOptions::prefill_chunk`).
+    pub fn prefill_launch(&self) -> Option<(LaunchInfo, u32)> {
+        self.prefill.as_ref().map(|p| (p.launch, p.chunk))
+    }
+
+    /// The whole KV cache as bf16 bits, K then V, each `[L, C, KV]` (tests
+    /// compare it with the CPU reference's cache).
+    pub fn read_kv_cache(&mut self) -> Result<(Vec<u16>, Vec<u16>)> {
+        self.usable()?;
+        let n = (self.memory.kv_cache_bytes / 2) as usize;
+        let (mut k, mut v) = (vec![0u16; n], vec![0u16; n]);
+        // SAFETY: each cache holds kv_cache_bytes; no step is running.
+        unsafe {
+            result::memcpy_dtoh_sync(&mut k, self.params.k_cache)
+                .and_then(|_| result::memcpy_dtoh_sync(&mut v, self.params.v_cache))
+        }
+        .map_err(|e| self.fail("cuMemcpyDtoH (KV cache)", e))?;
+        Ok((k, v))
+    }
+
+    /// Launches one prefill chunk (positions `start..start + len`).
+    pub(crate) fn launch_prefill(&mut self, start: u32, len: u32) -> Result<()> {
+        let Some(pf) = self.prefill.as_ref() else {
+            return Err(Error::Option {
+                field: "prefill_chunk",
+                reason: "the prefill kernel is not enabled".into(),
+            });
+        };
+        let (func, launch) = (pf.func, pf.launch);
+        let mut p = prefill_launch_params(
+            &self.config,
+            &self.params,
+            &pf.scratch,
+            start,
+            len,
+            self.debug_flags,
+        );
+        let mut args = [(&mut p as *mut PrefillParams).cast::<c_void>()];
+        // SAFETY: the kernel takes one PrefillParams by value; every pointer
+        // in it is a live allocation of self.
+        let r = unsafe {
+            sys::cuLaunchCooperativeKernel(
+                func,
+                launch.grid,
+                1,
+                1,
+                launch.block,
+                1,
+                1,
+                launch.smem_bytes,
+                self.stream,
+                args.as_mut_ptr(),
+            )
+        };
+        r.result()
+            .map_err(|e| self.fail("cuLaunchCooperativeKernel (prefill)", e))
+    }
+
+    /// The tensor-core prefill: the prompt's ids uploaded once (by
+    /// position), then one launch per chunk back to back, one wait.
+    pub(crate) fn prefill_chunked(&mut self, tokens: &[u32], start: usize) -> Result<()> {
+        let (tok_buf, chunk) = match self.prefill.as_ref() {
+            Some(p) => (p.scratch.tokens, p.chunk),
+            None => unreachable!("prefill_chunked without the prefill kernel"),
+        };
+        // SAFETY: the tokens buffer holds `capacity` u32 (positions); start
+        // + len <= capacity was checked; nothing is running.
+        // A pageable copy may return before its DMA lands, and the legacy
+        // stream it runs on does not order our non-blocking stream: wait.
+        unsafe { result::memcpy_htod_sync(tok_buf + start as u64 * 4, tokens) }
+            .and_then(|_| result::ctx::synchronize())
+            .map_err(|e| self.fail("cuMemcpyHtoD (prompt)", e))?;
+        let chunks = prefill_chunks(start, tokens.len(), chunk);
+        let ev = self.new_event()?;
+        let r = (|| {
+            for &(s, len) in &chunks {
+                self.launch_prefill(s, len)?;
+            }
+            self.record(ev)?;
+            let deadline = self
+                .opts
+                .step_deadline
+                .saturating_mul(chunks.len().min(u32::MAX as usize) as u32);
+            self.wait(ev, deadline)
+        })();
+        // SAFETY: ev is live and no longer used.
+        let _ = unsafe { result::event::destroy(ev) };
+        r
     }
 
     pub(crate) fn usable(&self) -> Result<()> {
@@ -591,8 +771,10 @@ impl Backend for CudarcBackend {
         })
     }
 
-    /// Launches one decode step per prompt token back to back and waits
-    /// once at the end (no host round trip between positions). A kernel
+    /// With `GpuOptions::prefill_chunk` set: the tensor-core prefill kernel,
+    /// one launch per chunk. Otherwise one decode step per prompt token,
+    /// launched back to back, one wait at the end (no host round trip
+    /// between positions). A kernel
     /// error in any step is the first one reported: later steps see the
     /// claimed error at their first barrier and stop.
     fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<StepOutput> {
@@ -620,8 +802,15 @@ impl Backend for CudarcBackend {
                 });
             }
         }
-        let ev = self.new_event()?;
         let n = tokens.len();
+        if self.prefill.is_some() {
+            self.prefill_chunked(tokens, start)?;
+            self.next_pos = start + n;
+            return Ok(StepOutput {
+                argmax: self.last_argmax,
+            });
+        }
+        let ev = self.new_event()?;
         let r = (|| {
             for (i, &t) in tokens.iter().enumerate() {
                 self.launch_step(t, start + i, 0)?;

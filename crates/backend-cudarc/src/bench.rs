@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use cudarc::driver::{result, sys};
 use qmk_engine::Backend;
-use qmk_kernels::host::{median, BenchOptions, BenchReport};
+use qmk_kernels::host::{
+    median, percentile, prefill_chunks, prefill_flops, BenchOptions, BenchReport, PrefillReport,
+};
 use qmk_kernels::params::{FLAG_BARRIER_FENCED, SKIP_SHIFT};
 use qmk_kernels::{StreamParams, FLAG_TOKEN_FROM_ARGMAX, THREADS_PER_CTA};
 
@@ -172,6 +174,75 @@ impl CudarcBackend {
         }
         self.reset()?;
         Ok(out)
+    }
+
+    /// Time to first token of the tensor-core prefill (needs
+    /// `GpuOptions::prefill_chunk`): `reps` + 1 prefills of `tokens` at
+    /// position 0 (the first untimed), each timed with device events
+    /// around its chunk launches (the ids are uploaded once, before).
+    /// Resets the engine before each and after.
+    pub fn bench_prefill(&mut self, tokens: &[u32], reps: usize) -> Result<PrefillReport> {
+        let Some((launch, chunk)) = self.prefill_launch() else {
+            return Err(Error::Option {
+                field: "prefill_chunk",
+                reason: "bench_prefill needs the prefill kernel enabled".into(),
+            });
+        };
+        if tokens.is_empty() || tokens.len() > self.capacity {
+            return Err(Error::Option {
+                field: "prefill",
+                reason: format!(
+                    "{} prompt tokens must be >= 1 and fit the {}-position KV cache",
+                    tokens.len(),
+                    self.capacity
+                ),
+            });
+        }
+        // Untimed first run: uploads the ids, checks the inputs and warms up.
+        self.reset()?;
+        self.prefill(tokens, 0)?;
+        let chunks = prefill_chunks(0, tokens.len(), chunk);
+        let mut ms = Vec::with_capacity(reps);
+        for _ in 0..reps.max(1) {
+            self.reset()?;
+            let (a, b) = (self.new_event()?, self.new_event()?);
+            let r = (|| -> Result<f64> {
+                self.record(a)?;
+                for &(s, len) in &chunks {
+                    self.launch_prefill(s, len)?;
+                }
+                self.record(b)?;
+                let deadline = self
+                    .opts
+                    .step_deadline
+                    .saturating_mul(chunks.len().min(u32::MAX as usize) as u32);
+                self.wait(b, deadline)?;
+                self.elapsed_ms(a, b)
+            })();
+            for ev in [a, b] {
+                // SAFETY: live events, no longer used.
+                let _ = unsafe { result::event::destroy(ev) };
+            }
+            ms.push(r?);
+        }
+        let barriers = self.barriers_last_step()?;
+        self.reset()?;
+        let med = median(&mut ms);
+        Ok(PrefillReport {
+            device: format!("{} ({})", self.info.name, self.info.arch),
+            tokens: tokens.len(),
+            chunk,
+            launches: chunks.len(),
+            ms_median: med,
+            ms_p10: percentile(&ms, 0.1),
+            ms_p90: percentile(&ms, 0.9),
+            reps: ms.len(),
+            tflops: prefill_flops(&self.config, 0, tokens.len()) / (med * 1e-3) / 1e12,
+            grid: launch.grid,
+            registers: launch.registers,
+            smem_bytes: launch.smem_bytes,
+            barriers_per_launch: barriers,
+        })
     }
 
     /// Greedy decode of `warmup + steps` positions back to back (the kernel

@@ -27,5 +27,5 @@ pub use device::{device_count, device_info, devices, init_driver};
 pub use error::{Error, Result};
 pub use probe::{ProbeReport, ProbeRun};
 pub use qmk_kernels::host::{
-    BenchOptions, BenchReport, DeviceInfo, LaunchInfo, MemoryPlan, Progress,
+    BenchOptions, BenchReport, DeviceInfo, LaunchInfo, MemoryPlan, PrefillReport, Progress,
 };

@@ -20,11 +20,14 @@ use cust::stream::{Stream, StreamFlags};
 use cust::sys;
 use qmk_engine::{Backend, BackendKind, StepOutput};
 use qmk_kernels::host::{
-    base_params, duration_ns, set_buffer, tie_embeddings, weight_chunks, Buffer, GpuOptions,
-    LaunchInfo, MemoryPlan, Progress, ABORT_GRACE, UPLOAD_PIECE_BYTES,
+    base_params, duration_ns, prefill_chunks, prefill_launch_params, set_buffer,
+    set_prefill_buffer, tie_embeddings, weight_chunks, Buffer, GpuOptions, LaunchInfo, MemoryPlan,
+    Progress, ABORT_GRACE, UPLOAD_PIECE_BYTES,
 };
 use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG};
-use qmk_kernels::{source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, Resources};
+use qmk_kernels::{
+    source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, PrefillParams, Resources,
+};
 use qmk_model::{Config, Weights};
 
 use crate::device::{device_info, DeviceInfo};
@@ -38,6 +41,15 @@ pub type Options = GpuOptions;
 pub(crate) struct Functions {
     pub step: sys::CUfunction,
     pub stream_read: sys::CUfunction,
+}
+
+/// The tensor-core prefill path (`GpuOptions::prefill_chunk`): its kernel,
+/// launch shape and a parameter block with its scratch buffers set.
+pub(crate) struct Prefill {
+    pub func: sys::CUfunction,
+    pub launch: LaunchInfo,
+    pub scratch: PrefillParams,
+    pub chunk: u32,
 }
 
 /// The megakernel engine on one GPU: weights, KV cache, scratch and the
@@ -66,6 +78,7 @@ pub struct CustBackend {
     pub(crate) status: StatusBlock,
     pub(crate) sync: DeviceBuffer<u8>,
     pub(crate) logits: DeviceBuffer<u8>,
+    pub(crate) prefill: Option<Prefill>,
     _weights: Vec<DeviceBuffer<u8>>,
     _buffers: Vec<DeviceBuffer<u8>>,
     _module: Module,
@@ -135,6 +148,7 @@ impl CustBackend {
                 field: "capacity",
                 reason: format!("{} is outside 1..=2^32-1", opts.capacity),
             })?;
+        let prefill_chunk = qmk_kernels::host::clamp_prefill_chunk(opts.prefill_chunk, capacity);
         let build = match &opts.plan {
             Some(plan) => KernelBuild::with_plan(&config, plan.clone())?,
             None => KernelBuild::new(&config)?,
@@ -221,8 +235,48 @@ impl CustBackend {
             ),
         })?;
 
+        // The prefill kernel, when enabled: same CTA size, its own shared
+        // memory; never more CTAs than the decode grid (the LM head's
+        // partials are sized for that grid).
+        let prefill_fn = match prefill_chunk {
+            None => None,
+            Some(_) => {
+                let f = get(entry::PREFILL_CHUNK)?;
+                if build.prefill_smem_bytes > info.max_smem_optin {
+                    return Err(Error::SharedMemory {
+                        needed: build.prefill_smem_bytes,
+                        available: info.max_smem_optin,
+                        device: device_name,
+                    });
+                }
+                set_func_attr(
+                    f,
+                    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    build.prefill_smem_bytes as i32,
+                )?;
+                let occ = occupancy(f, build.prefill_smem_bytes)?;
+                let regs = get_func_attr(f, CU_FUNC_ATTRIBUTE_NUM_REGS).unwrap_or(0) as u32;
+                let l = LaunchInfo::from_occupancy(
+                    occ,
+                    info.sms,
+                    Some(launch.ctas_per_sm),
+                    build.prefill_smem_bytes,
+                    regs,
+                )
+                .ok_or_else(|| Error::Launch {
+                    device: device_name.clone(),
+                    reason: format!(
+                        "no prefill CTA of {} threads with {} B shared memory fits on an SM (occupancy {occ})",
+                        qmk_kernels::THREADS_PER_CTA,
+                        build.prefill_smem_bytes
+                    ),
+                })?;
+                Some((f, l))
+            }
+        };
+
         // Memory plan, checked before the first allocation.
-        let memory = MemoryPlan::new(&config, capacity, launch.grid)?;
+        let memory = MemoryPlan::new_with_prefill(&config, capacity, launch.grid, prefill_chunk)?;
         if memory.total_bytes > info.free_mem {
             return Err(Error::OutOfMemory {
                 what: format!(
@@ -290,6 +344,24 @@ impl CustBackend {
         let logits = logits.expect("the memory plan has a logits buffer");
         let status = StatusBlock::new()?;
         params.status = status.device_ptr();
+        let prefill = match (prefill_fn, prefill_chunk) {
+            (Some((func, launch)), Some(chunk)) => {
+                let mut scratch: PrefillParams = bytemuck::Zeroable::zeroed();
+                for &(b, bytes) in &memory.prefill {
+                    let buf = alloc(bytes, b.name(), true)?;
+                    set_prefill_buffer(&mut scratch, b, addr(&buf));
+                    buffers.push(buf);
+                }
+                scratch.max_tokens = chunk;
+                Some(Prefill {
+                    func,
+                    launch,
+                    scratch,
+                    chunk,
+                })
+            }
+            _ => None,
+        };
         // Pageable uploads may return before their last DMA lands.
         CurrentContext::synchronize().map_err(cu("cuCtxSynchronize"))?;
 
@@ -315,6 +387,7 @@ impl CustBackend {
             status,
             sync,
             logits,
+            prefill,
             _weights: wbufs,
             _buffers: buffers,
             _module: module,
@@ -370,6 +443,84 @@ impl CustBackend {
     /// Changes the host deadline of one step.
     pub fn set_step_deadline(&mut self, t: Duration) {
         self.opts.step_deadline = t;
+    }
+
+    /// The prefill kernel's launch shape and chunk size, when enabled
+    /// (`GpuOptions::prefill_chunk`).
+    pub fn prefill_launch(&self) -> Option<(LaunchInfo, u32)> {
+        self.prefill.as_ref().map(|p| (p.launch, p.chunk))
+    }
+
+    /// The whole KV cache as bf16 bits, K then V, each `[L, C, KV]` (tests
+    /// compare it with the CPU reference's cache).
+    pub fn read_kv_cache(&mut self) -> Result<(Vec<u16>, Vec<u16>)> {
+        self.usable()?;
+        let n = (self.memory.kv_cache_bytes / 2) as usize;
+        let (mut k, mut v) = (vec![0u16; n], vec![0u16; n]);
+        for (dst, src) in [(&mut k, self.params.k_cache), (&mut v, self.params.v_cache)] {
+            // SAFETY: each cache holds kv_cache_bytes = 2 n bytes at src; no
+            // step is running.
+            check("cuMemcpyDtoH (KV cache)", unsafe {
+                sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, 2 * n)
+            })
+            .map_err(|e| self.note(e))?;
+        }
+        Ok((k, v))
+    }
+
+    /// The tensor-core prefill: the prompt's ids uploaded once (by
+    /// position), then one launch per chunk back to back, one wait.
+    fn prefill_chunked(&mut self, tokens: &[u32], start: usize) -> Result<()> {
+        let Some(pf) = self.prefill.as_ref() else {
+            return Err(Error::Option {
+                field: "prefill_chunk",
+                reason: "the prefill kernel is not enabled".into(),
+            });
+        };
+        let (func, launch, scratch, chunk) = (pf.func, pf.launch, pf.scratch, pf.chunk);
+        let bytes: &[u8] = bytemuck::cast_slice(tokens);
+        // SAFETY: the tokens buffer holds `capacity` u32 (by position);
+        // start + len <= capacity was checked; nothing is running.
+        check("cuMemcpyHtoD (prompt)", unsafe {
+            sys::cuMemcpyHtoD_v2(
+                scratch.tokens + start as u64 * 4,
+                bytes.as_ptr().cast(),
+                bytes.len(),
+            )
+        })
+        .map_err(|e| self.note(e))?;
+        // A pageable copy may return before its DMA lands, and the legacy
+        // stream it runs on does not order our non-blocking stream: wait.
+        CurrentContext::synchronize().map_err(|e| self.fail("cuCtxSynchronize (prompt)", e))?;
+        let chunks = prefill_chunks(start, tokens.len(), chunk);
+        let ev = self.new_event()?;
+        for &(s, len) in &chunks {
+            let mut p = prefill_launch_params(
+                &self.config,
+                &self.params,
+                &scratch,
+                s,
+                len,
+                self.debug_flags,
+            );
+            // SAFETY: qmk_prefill_chunk takes one PrefillParams by value;
+            // every pointer in it is a live allocation of self.
+            unsafe {
+                self.launch_cooperative(
+                    func,
+                    launch.grid,
+                    launch.smem_bytes,
+                    &mut p,
+                    "cuLaunchCooperativeKernel (prefill)",
+                )
+            }?;
+        }
+        self.record(&ev)?;
+        let deadline = self
+            .opts
+            .step_deadline
+            .saturating_mul(chunks.len().min(u32::MAX as usize) as u32);
+        self.wait(&ev, deadline)
     }
 
     pub(crate) fn bind(&self) -> Result<()> {
@@ -581,6 +732,47 @@ impl Backend for CustBackend {
         self.record(&ev)?;
         self.wait(&ev, self.opts.step_deadline)?;
         self.next_pos = pos + 1;
+        Ok(StepOutput {
+            argmax: self.last_argmax,
+        })
+    }
+
+    /// With `GpuOptions::prefill_chunk` set: the tensor-core prefill kernel,
+    /// one launch per chunk (inputs checked first, as a step would).
+    /// Otherwise one decode step per prompt token (the trait's default).
+    fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<StepOutput> {
+        if self.prefill.is_none() {
+            let mut out = StepOutput { argmax: 0 };
+            for (i, &t) in tokens.iter().enumerate() {
+                out = self.step(t, start + i)?;
+            }
+            return Ok(out);
+        }
+        self.usable()?;
+        if tokens.is_empty() {
+            return Err(Error::Position {
+                pos: start,
+                reason: "prefill of an empty prompt".into(),
+            });
+        }
+        for (i, &t) in tokens.iter().enumerate() {
+            let pos = start + i;
+            if i == 0 {
+                self.check_inputs(t, pos)?;
+            } else if t as usize >= self.config.vocab_size {
+                return Err(Error::Token {
+                    token: t,
+                    vocab: self.config.vocab_size,
+                });
+            } else if pos >= self.capacity {
+                return Err(Error::Position {
+                    pos,
+                    reason: format!("the KV cache holds {} positions", self.capacity),
+                });
+            }
+        }
+        self.prefill_chunked(tokens, start)?;
+        self.next_pos = start + tokens.len();
         Ok(StepOutput {
             argmax: self.last_argmax,
         })

@@ -43,6 +43,30 @@ pub struct BenchArgs {
     /// (where the time goes).
     #[arg(long)]
     profile: bool,
+    /// Time to first token instead of decode speed: prefill of N synthetic
+    /// prompt tokens with the tensor-core prefill kernel (issue 9).
+    #[arg(long, value_name = "N")]
+    prefill: Option<usize>,
+    /// Positions per prefill launch (with --prefill).
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: u32,
+    /// Timed prefills (median reported; with --prefill).
+    #[arg(long, default_value_t = 10)]
+    prefill_reps: usize,
+}
+
+/// N synthetic prompt ids below the special tokens (deterministic).
+fn synthetic_prompt(n: usize, vocab: usize) -> Vec<u32> {
+    let limit = vocab.min(151_643) as u64;
+    let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ n as u64;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % limit) as u32
+        })
+        .collect()
 }
 
 struct Bar(Option<indicatif::ProgressBar>);
@@ -76,7 +100,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
             eprintln!("{s}");
         }
     };
-    let capacity = a.warmup + a.steps + 1;
+    let capacity = match a.prefill {
+        Some(n) => n.max(1) + 1,
+        None => a.warmup + a.steps + 1,
+    };
     // Before generating 100+ GB of weights: refuse what cannot fit.
     let gpu = crate::gpu::probe()?;
     crate::gpu::check_fits(&config, capacity, &gpu, crate::common::available_memory())
@@ -91,6 +118,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         capacity,
         cubin: a.cubin.clone(),
         ctas_per_sm: a.ctas_per_sm,
+        prefill_chunk: a.prefill.map(|n| a.prefill_chunk.min(n.max(1) as u32)),
         ..Options::default()
     };
     let bar = if a.json {
@@ -106,6 +134,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut backend = CudarcBackend::new(&weights, opts, &mut Bar(bar))
         .with_context(|| format!("setting up the cudarc backend for {}", a.preset))?;
     drop(weights);
+    if let Some(n) = a.prefill {
+        return prefill(&a, &mut backend, n);
+    }
     let r = backend.bench(&BenchOptions {
         warmup: a.warmup,
         steps: a.steps,
@@ -174,6 +205,58 @@ pub fn run(a: BenchArgs) -> Result<()> {
             "  barriers/step  {:>10}  grid {} x {} threads, {} regs, {} B smem",
             r.barriers_per_step, r.grid, l.block, r.registers, l.smem_bytes
         );
+    }
+    Ok(())
+}
+
+/// `bench --prefill N`: time to first token.
+fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
+    let tokens = synthetic_prompt(n, backend.config().vocab_size);
+    let r = backend
+        .bench_prefill(&tokens, a.prefill_reps)
+        .with_context(|| format!("bench --prefill {n} --preset {}", a.preset))?;
+    let pf = backend
+        .resources()
+        .into_iter()
+        .find(|x| x.function == qmk_kernels::source::entry::PREFILL_CHUNK);
+    if a.json {
+        let v = serde_json::json!({
+            "preset": a.preset,
+            "backend": a.backend,
+            "device": r.device,
+            "prefill_tokens": r.tokens,
+            "chunk": r.chunk,
+            "launches": r.launches,
+            "ttft_ms": r.ms_median,
+            "ttft_ms_p10": r.ms_p10,
+            "ttft_ms_p90": r.ms_p90,
+            "reps": r.reps,
+            "tflops": r.tflops,
+            "grid": r.grid,
+            "registers": r.registers,
+            "smem_bytes": r.smem_bytes,
+            "barriers_per_launch": r.barriers_per_launch,
+            "spill_stores": pf.as_ref().map(|x| x.spill_stores),
+            "spill_loads": pf.as_ref().map(|x| x.spill_loads),
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "{} on {} (cudarc), synthetic weights, prefill of {} tokens in chunks of {} ({} launches)",
+            a.preset, r.device, r.tokens, r.chunk, r.launches
+        );
+        println!(
+            "  time to first token {:>10.3} ms  (p10 {:.3}, p90 {:.3}, median of {})",
+            r.ms_median, r.ms_p10, r.ms_p90, r.reps
+        );
+        println!("  matrix TFLOP/s      {:>10.1}", r.tflops);
+        println!(
+            "  grid {} x 512 threads, {} regs, {} B dyn smem, {} barriers/launch",
+            r.grid, r.registers, r.smem_bytes, r.barriers_per_launch
+        );
+        if let Some(x) = pf {
+            println!("  ptxas: {x}");
+        }
     }
     Ok(())
 }

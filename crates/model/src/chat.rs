@@ -81,6 +81,8 @@ pub struct ChatTemplate {
     origin: String,
     /// `bos_token`, `eos_token`, ... from `tokenizer_config.json`.
     special_tokens: BTreeMap<String, String>,
+    /// Instructions one render may execute ([`RENDER_FUEL`]).
+    fuel: u64,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -182,17 +184,30 @@ impl ChatTemplate {
         guard_builtin_filters(&mut env);
         env.set_fuel(Some(RENDER_FUEL));
         env.set_recursion_limit(RECURSION_LIMIT);
-        env.add_template_owned(TEMPLATE_NAME, source.clone())
-            .map_err(|e| ModelError::ChatTemplate {
-                origin: origin.clone(),
-                message: format!("does not compile: {e:#}"),
-            })?;
+        catch_engine_panic(&origin, "does not compile", || {
+            env.add_template_owned(TEMPLATE_NAME, source.clone())
+                .map_err(|e| ModelError::ChatTemplate {
+                    origin: origin.clone(),
+                    message: format!("does not compile: {e:#}"),
+                })
+        })?;
         Ok(Self {
             env,
             source,
             origin,
             special_tokens,
+            fuel: RENDER_FUEL,
         })
+    }
+
+    /// Sets the instruction budget of each render (default [`RENDER_FUEL`]);
+    /// the fuzz target uses a small one so that runaway templates end fast
+    /// under sanitizers.
+    #[doc(hidden)]
+    pub fn with_fuel(mut self, fuel: u64) -> Self {
+        self.env.set_fuel(Some(fuel));
+        self.fuel = fuel;
+        self
     }
 
     /// Renders a conversation; with `add_generation_prompt` the text ends with
@@ -231,40 +246,30 @@ impl ChatTemplate {
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| self.err(e))?;
-        let mut out = CappedWriter::default();
-        // minijinja can panic on hostile input (e.g. overflowing length
-        // arithmetic of a repeated sequence in debug builds): an error too.
-        let rendered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            tmpl.render_captured_to(Value::from(ctx), &mut out)
-        }));
-        match rendered {
-            Ok(Ok(_)) => String::from_utf8(out.buf).map_err(|e| ModelError::ChatTemplate {
-                origin: self.origin.clone(),
-                message: format!("rendered text is not UTF-8: {e}"),
-            }),
-            Ok(Err(_)) if out.full => Err(self.limit("rendered bytes", MAX_RENDER_BYTES as u64)),
-            Ok(Err(e)) if e.kind() == ErrorKind::OutOfFuel => {
-                Err(self.limit("instructions executed", RENDER_FUEL))
-            }
-            Ok(Err(e))
-                if e.kind() == ErrorKind::InvalidOperation
-                    && e.detail() == Some("recursion limit exceeded") =>
-            {
-                Err(self.limit("recursion depth", RECURSION_LIMIT as u64))
-            }
-            Ok(Err(e)) => Err(self.err(e)),
-            Err(panic) => {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
-                Err(ModelError::ChatTemplate {
+        // minijinja can panic on hostile input (overflowing length
+        // arithmetic of a repeated sequence, or of the source excerpt in an
+        // error's debug info, with overflow checks on): an error too. The
+        // error is formatted inside the catch for that reason.
+        catch_engine_panic(&self.origin, "render failed", || {
+            let mut out = CappedWriter::default();
+            match tmpl.render_captured_to(Value::from(ctx), &mut out) {
+                Ok(_) => String::from_utf8(out.buf).map_err(|e| ModelError::ChatTemplate {
                     origin: self.origin.clone(),
-                    message: format!("render failed: the template engine panicked: {what}"),
-                })
+                    message: format!("rendered text is not UTF-8: {e}"),
+                }),
+                Err(_) if out.full => Err(self.limit("rendered bytes", MAX_RENDER_BYTES as u64)),
+                Err(e) if e.kind() == ErrorKind::OutOfFuel => {
+                    Err(self.limit("instructions executed", self.fuel))
+                }
+                Err(e)
+                    if e.kind() == ErrorKind::InvalidOperation
+                        && e.detail() == Some("recursion limit exceeded") =>
+                {
+                    Err(self.limit("recursion depth", RECURSION_LIMIT as u64))
+                }
+                Err(e) => Err(self.err(e)),
             }
-        }
+        })
     }
 
     /// The template text.
@@ -291,6 +296,26 @@ impl ChatTemplate {
             message: format!("render failed: {e:#}"),
         }
     }
+}
+
+/// Runs `f`, turning a panic inside it (minijinja's, on hostile input) into
+/// a [`ModelError::ChatTemplate`] that says `what` failed.
+fn catch_engine_panic<T>(
+    origin: &str,
+    what: &str,
+    f: impl FnOnce() -> Result<T, ModelError>,
+) -> Result<T, ModelError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        Err(ModelError::ChatTemplate {
+            origin: origin.to_string(),
+            message: format!("{what}: the template engine panicked: {message}"),
+        })
+    })
 }
 
 /// Collects rendered output, refusing to grow past [`MAX_RENDER_BYTES`].

@@ -142,9 +142,16 @@ pub fn sharded_index(data: &[u8]) {
     }
 }
 
+/// Instruction budget of a fuzzed render: [`crate::chat::RENDER_FUEL`]
+/// takes about 25 s under ASan and coverage instrumentation; this ends a
+/// runaway template within a quarter of a second there, exercising the same
+/// limit. A 4-message render of Qwen2.5's template needs under 250.
+pub const FUZZ_FUEL: u64 = 200_000;
+
 /// A chat template (bytes up to the first NUL; what follows is the user
-/// message): compile, render a short conversation. Every render ends within
-/// the fuel, recursion and output limits of [`crate::chat`].
+/// message): compile, render a short conversation with [`FUZZ_FUEL`]. Every
+/// render ends within the fuel, recursion and output limits of
+/// [`crate::chat`].
 pub fn chat_template(data: &[u8]) {
     let text = String::from_utf8_lossy(data);
     let (source, content) = text.split_once('\0').unwrap_or((&text, "Hello"));
@@ -155,6 +162,7 @@ pub fn chat_template(data: &[u8]) {
     let Ok(t) = ChatTemplate::new(source, "fuzz/chat_template.jinja", tokens) else {
         return;
     };
+    let t = t.with_fuel(FUZZ_FUEL);
     let messages = [
         Message::system("You are a helpful assistant."),
         Message::user(content),

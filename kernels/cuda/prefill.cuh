@@ -1,0 +1,94 @@
+// prefill.cuh: qmk_prefill_chunk, one cooperative launch per prompt chunk:
+// positions start .. start + n of tokens[0..n), every layer, the KV cache
+// written for every position, and for the LAST position the final norm,
+// the LM head, logits and the greedy pick (the decode kernel's lm_head and
+// argmax, reading the last row of the chunk's residual stream through
+// base.x, which the host points there).
+//
+// Phases per layer, a grid barrier after each (bounded waits, abort and
+// error reporting exactly as in the decode kernel, same SyncState counter):
+//   norm1 (layer 0: + embedding) -> qkv GEMM -> rotary + KV write ->
+//   attention -> o_proj GEMM + residual -> norm2 -> gate/up GEMM + SiLU ->
+//   down GEMM + residual
+// Barriers per chunk: 8 L + 1 (after the LM head).
+#pragma once
+
+namespace qmk {
+
+// Dynamic shared memory: the GEMM stage (gate/up: two weight tiles) or the
+// final norm's activation vector.
+constexpr u32 kPrefillSmemBytes =
+    gemm_smem_bytes(2) > (u32)(QMK_HIDDEN * 4) ? gemm_smem_bytes(2) : (u32)(QMK_HIDDEN * 4);
+static_assert(kPrefillSmemBytes <= QMK_PREFILL_SMEM_BYTES,
+              "host and kernel disagree on the prefill kernel's shared memory");
+static_assert(QMK_PREFILL_BARRIERS == 8 * QMK_LAYERS + 1, "prefill barrier count drifted");
+
+}  // namespace qmk
+
+extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
+    qmk_prefill_chunk(const qmk::PrefillParams pp) {
+    using namespace qmk;
+    extern __shared__ float4 qmk_dyn_smem[];
+    u16* smem = reinterpret_cast<u16*>(qmk_dyn_smem);
+    float* xs = reinterpret_cast<float*>(qmk_dyn_smem);
+    __shared__ float red[QMK_WARPS];
+    const Params& p = pp.base;
+
+    // Input checks, uniform over the grid (every CTA reads the same words)
+    // and before any barrier.
+    const u32 n = pp.n_tokens;
+    u32 bad = (n == 0 || n > pp.max_tokens || pp.start >= p.kv_capacity ||
+               n > p.kv_capacity - pp.start)
+                  ? kErrBadPos
+                  : kErrNone;
+    if (bad == kErrNone) {
+        const u32* tokens = reinterpret_cast<const u32*>(pp.tokens);
+        int any = 0;
+        for (u32 t = threadIdx.x; t < n; t += QMK_THREADS) any |= tokens[t] >= QMK_VOCAB;
+        if (__syncthreads_or(any)) bad = kErrBadToken;
+    }
+    if (bad != kErrNone) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) record_error(p, bad, kPhaseStart, 0);
+        return;
+    }
+
+    GridBarrier bar;
+    bar.init(p);
+    for (u32 layer = 0; layer < QMK_LAYERS; ++layer) {
+        const LayerView<input_layernorm_t> ln1(p.input_layernorm, layer);
+        prefill_rms_norm(pp, layer == 0, [&](u32 i) { return ln1.elem(i); });
+        if (!bar.sync(p, kPhasePfNorm, layer)) return;
+        prefill_qkv(pp, layer, smem);
+        if (!bar.sync(p, kPhasePfQkv, layer)) return;
+        prefill_rope_kv(pp, layer);
+        if (!bar.sync(p, kPhasePfRope, layer)) return;
+        prefill_attention(pp, layer);
+        if (!bar.sync(p, kPhasePfAttention, layer)) return;
+        prefill_residual_gemm<o_proj_t, (int)QMK_Q_DIM>(pp, p.o_proj, layer, pp.xa,
+                                                         QMK_PF_XA_COLS, smem);
+        if (!bar.sync(p, kPhasePfOProj, layer)) return;
+        const LayerView<post_attention_layernorm_t> ln2(p.post_attention_layernorm, layer);
+        // act already holds the residual (layer 0 wrote it in norm1).
+        prefill_rms_norm(pp, false, [&](u32 i) { return ln2.elem(i); });
+        if (!bar.sync(p, kPhasePfNorm2, layer)) return;
+        prefill_gate_up(pp, layer, smem);
+        if (!bar.sync(p, kPhasePfGateUp, layer)) return;
+        prefill_residual_gemm<down_proj_t, (int)QMK_INTER>(pp, p.down_proj, layer, pp.hb,
+                                                           QMK_INTER, smem);
+        if (!bar.sync(p, kPhasePfDown, layer)) return;
+    }
+    lm_head(p, xs, red);
+    if (!bar.sync(p, kPhaseLmHead, QMK_LAYERS)) return;
+    if (blockIdx.x == 0) {
+        const u32 pick = argmax(p);
+        if (threadIdx.x == 0) {
+            *reinterpret_cast<u32*>(p.argmax_out) = pick;
+            volatile HostStatus* st = reinterpret_cast<volatile HostStatus*>(p.status);
+            st->argmax = pick;
+            st->barriers = bar.count;
+            st->done = st->done + 1u;
+            bar.finish(p);
+            __threadfence_system();
+        }
+    }
+}
