@@ -32,11 +32,14 @@
 //!    [`MAX_FORMAT_WIDTH`]; `replace` results at most [`MAX_RENDER_BYTES`].
 //!    minijinja itself refuses a `string * n` longer than 10^8 bytes and a
 //!    `range` of more than 10^5 items;
+//!    `{{ value }}` writes a value only if it holds at most
+//!    [`MAX_FILTER_ITEMS`] items, nested ones included;
 //! 9. a panic inside the template engine becomes an error.
 //!
-//! Not bounded: memory of intermediate strings a template grows step by
-//! step without writing them (`{% set ns.s = ns.s ~ ns.s %}` in a loop
-//! doubles each time): minijinja offers no hook on `~` and `+`.
+//! Not bounded (minijinja offers no hook on operators): strings a template
+//! grows step by step (`{% set ns.s = ns.s ~ ns.s %}` in a loop doubles),
+//! and `~`, `in`, `==` walking a lazily repeated `['x'] * 10**12` in one
+//! instruction. See docs/hardening.md.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -182,6 +185,12 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_filter("indent", indent);
         guard_builtin_filters(&mut env);
+        // `{{ value }}` writes every item of a (lazy, maybe 10^12-item)
+        // sequence, ignoring the output cap's error: check its size first.
+        env.set_formatter(|out, state, value| {
+            check_items("output", value, &mut { MAX_FILTER_ITEMS })?;
+            minijinja::escape_formatter(out, state, value)
+        });
         env.set_fuel(Some(RENDER_FUEL));
         env.set_recursion_limit(RECURSION_LIMIT);
         catch_engine_panic(&origin, "does not compile", || {
@@ -437,6 +446,43 @@ fn check_call<'a>(name: &str, args: impl Iterator<Item = &'a Value>) -> Result<(
             }
         }
         _ => {}
+    }
+    Ok(())
+}
+
+/// Refuses `value` if it holds more than `budget` sequence / map items in
+/// all, nested ones included; visits at most `budget` items.
+fn check_items(what: &str, value: &Value, budget: &mut usize) -> Result<(), JinjaError> {
+    if !matches!(
+        value.kind(),
+        ValueKind::Seq | ValueKind::Iterable | ValueKind::Map
+    ) {
+        return Ok(());
+    }
+    let refuse = || {
+        Err(JinjaError::new(
+            ErrorKind::InvalidOperation,
+            format!("`{what}` of more than {MAX_FILTER_ITEMS} items"),
+        ))
+    };
+    if value.len().is_some_and(|n| n > *budget) {
+        return refuse();
+    }
+    let Ok(items) = value.try_iter() else {
+        return Ok(());
+    };
+    let is_map = value.kind() == ValueKind::Map;
+    for item in items {
+        if *budget == 0 {
+            return refuse();
+        }
+        *budget -= 1;
+        let item = if is_map {
+            value.get_item(&item).unwrap_or_default()
+        } else {
+            item
+        };
+        check_items(what, &item, budget)?;
     }
     Ok(())
 }

@@ -181,6 +181,10 @@ fn template_calls_that_would_allocate_without_bound_are_refused() {
         ("{{ {'a': [['x'] * 10**12]} | tojson }}", "items"),
         ("{{ ', '.join(['x'] * 10**12) }}", "items"),
         ("{{ [1] | slice(10**12) | list }}", "count"),
+        // Found by the chat_template fuzz target: writing a huge lazy
+        // sequence ignored the output cap (hours, then out of memory).
+        ("{{ {'a': [['x'] * 5**12]} }}", "`output` of more than"),
+        ("{{ ['x'] * 10**12 }}", "`output` of more than"),
         ("{{ [1] | batch(10**12, 'x') | list }}", "count"),
         ("{{ '%099999999999d' | format(1) }}", "format width"),
         ("{{ '{:>99999999999}'.format(1) }}", "format width"),
