@@ -262,3 +262,48 @@ fn weights_bytes(w: &Weights) -> u64 {
         + w.norm.len();
     n as u64 * 2
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The H200 here: 150,109,880,320 bytes of device memory, and what its
+    /// 128 GiB host had available (MemAvailable) in the 2026-11-29 run.
+    fn h200() -> GpuInfo {
+        GpuInfo {
+            name: "NVIDIA H200".into(),
+            total_mem: 150_109_880_320,
+        }
+    }
+    const HOST_AVAILABLE: u128 = 134_555_975_680;
+
+    #[test]
+    fn qwen_72b_is_refused_before_any_upload_with_bytes_needed_and_available() {
+        let c = qmk_model::Config::preset("72b").unwrap();
+        // Short context: the weights (145.41 GB) fit the device but cannot be
+        // staged in this host's memory.
+        let e = check_fits(&c, 4096, &h200(), Some(HOST_AVAILABLE)).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, GpuError::DoesNotFit { .. }), "{msg}");
+        assert!(msg.contains("145412407296 bytes"), "{msg}");
+        assert!(msg.contains("134555975680 bytes"), "{msg}");
+        assert!(msg.contains("host memory"), "{msg}");
+        // A long context no longer fits the device itself.
+        let e = check_fits(&c, 40_000, &h200(), None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("device memory") && e.contains("150109880320 bytes"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn models_that_fit_pass() {
+        for p in ["0.5b", "7b", "14b", "32b"] {
+            let c = qmk_model::Config::preset(p).unwrap();
+            check_fits(&c, 4096, &h200(), Some(HOST_AVAILABLE))
+                .unwrap_or_else(|e| panic!("{p}: {e}"));
+        }
+    }
+}
