@@ -8,17 +8,19 @@
 //! On the GPU machine, from the prebuilt binary (scripts/gpu/cust-and-bench.sh):
 //! `cust-gpu-tests --test-threads=1 --nocapture`.
 
+mod common;
+use common::*;
+
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use qmk_backend_cudarc::CudarcBackend;
 use qmk_backend_cust::CustBackend;
 use qmk_engine::Backend;
 use qmk_model::reference::{Reference, ReferenceOptions};
-use qmk_model::{synthetic_weights, Config, Weights};
+use qmk_model::Weights;
 
-const SEED: u64 = 20261129;
 /// A fixed prompt (Qwen2.5 token ids), fed one step at a time.
 const PROMPT: [u32; 8] = [9707, 11, 1879, 0, 3555, 374, 279, 6722];
 const GREEDY_STEPS: usize = 32;
@@ -29,7 +31,6 @@ const TOL: f64 = 1e-2;
 /// A CUDA backend with the hooks the tests need.
 trait Gpu: Backend + Sized {
     const NAME: &'static str;
-    fn device_count() -> Result<usize, String>;
     fn open(w: &Weights, capacity: usize) -> Result<Self, Self::Error>;
     fn describe(&self) -> String;
     fn set_debug_hang(&mut self, on: bool);
@@ -43,9 +44,6 @@ macro_rules! impl_gpu {
     ($ty:ty, $name:literal, $krate:ident) => {
         impl Gpu for $ty {
             const NAME: &'static str = $name;
-            fn device_count() -> Result<usize, String> {
-                $krate::device_count().map_err(|e| e.to_string())
-            }
             fn open(w: &Weights, capacity: usize) -> Result<Self, Self::Error> {
                 let opts = $krate::Options {
                     capacity,
@@ -89,40 +87,6 @@ macro_rules! impl_gpu {
 impl_gpu!(CudarcBackend, "cudarc", qmk_backend_cudarc);
 impl_gpu!(CustBackend, "cust", qmk_backend_cust);
 
-/// One GPU test at a time: each launch wants every SM.
-static GPU: Mutex<()> = Mutex::new(());
-
-/// The lock, or `None` after printing why the test is skipped.
-fn gpu_or_skip(test: &str) -> Option<MutexGuard<'static, ()>> {
-    let reason = match (CustBackend::device_count(), CudarcBackend::device_count()) {
-        (Ok(_), Ok(_)) => return Some(GPU.lock().unwrap_or_else(|e| e.into_inner())),
-        (Err(e), _) => format!("cust: {e}"),
-        (_, Err(e)) => format!("cudarc: {e}"),
-    };
-    println!("SKIPPED {test}: {reason}");
-    None
-}
-
-/// Synthetic weights of the last preset asked for (7B is 15 GB: keep one).
-fn weights(preset: &str) -> Arc<Weights> {
-    static CACHE: Mutex<Option<(String, Arc<Weights>)>> = Mutex::new(None);
-    let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((p, w)) = c.as_ref() {
-        if p == preset {
-            return w.clone();
-        }
-    }
-    *c = None;
-    let t = Instant::now();
-    let w = Arc::new(synthetic_weights(&Config::preset(preset).unwrap(), SEED));
-    println!(
-        "{preset}: synthetic weights in {:.1} s",
-        t.elapsed().as_secs_f64()
-    );
-    *c = Some((preset.to_string(), w.clone()));
-    w
-}
-
 /// The CPU reference's greedy run over the prompt: the token fed at each
 /// position and the logits, computed once per preset and shared by both
 /// backends' tests.
@@ -157,26 +121,6 @@ fn reference_run(preset: &str, w: &Arc<Weights>) -> Arc<RefRun> {
     let r = Arc::new(RefRun { tokens, logits });
     cache.lock().unwrap().insert(preset.to_string(), r.clone());
     r
-}
-
-fn rel_err(gpu: &[f32], cpu: &[f32]) -> f64 {
-    let (mut num, mut den) = (0f64, 0f64);
-    for (&g, &c) in gpu.iter().zip(cpu) {
-        num += (g as f64 - c as f64).powi(2);
-        den += (c as f64).powi(2);
-    }
-    (num / den).sqrt()
-}
-
-/// Lowest index of the maximum (the kernel's tie rule).
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn open<B: Gpu>(w: &Weights, capacity: usize) -> B {

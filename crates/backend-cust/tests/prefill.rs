@@ -18,17 +18,19 @@
 //! On the GPU machine, from the prebuilt binary (scripts/gpu/prefill.sh):
 //! `prefill-gpu-tests --test-threads=1 --nocapture [filter]`.
 
+mod common;
+use common::*;
+
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use qmk_backend_cudarc::CudarcBackend;
 use qmk_backend_cust::CustBackend;
 use qmk_engine::Backend;
 use qmk_model::reference::{Reference, ReferenceOptions};
-use qmk_model::{synthetic_weights, Config, Weights};
+use qmk_model::Weights;
 
-const SEED: u64 = 20261129;
 const GREEDY_STEPS: usize = 32;
 const TOL: f64 = 1e-2;
 
@@ -43,7 +45,6 @@ fn chunk() -> u32 {
 /// A CUDA backend with the prefill kernel enabled, and its test hooks.
 trait Pf: Backend + Sized {
     const NAME: &'static str;
-    fn device_count() -> Result<usize, String>;
     fn open(w: &Weights, capacity: usize, chunk: u32) -> Result<Self, Self::Error>;
     fn describe(&self) -> String;
     fn kv_cache(&mut self) -> Result<(Vec<u16>, Vec<u16>), Self::Error>;
@@ -53,9 +54,6 @@ macro_rules! impl_pf {
     ($ty:ty, $name:literal, $krate:ident) => {
         impl Pf for $ty {
             const NAME: &'static str = $name;
-            fn device_count() -> Result<usize, String> {
-                $krate::device_count().map_err(|e| e.to_string())
-            }
             fn open(w: &Weights, capacity: usize, chunk: u32) -> Result<Self, Self::Error> {
                 let opts = $krate::Options {
                     capacity,
@@ -96,39 +94,6 @@ macro_rules! impl_pf {
 impl_pf!(CudarcBackend, "cudarc", qmk_backend_cudarc);
 impl_pf!(CustBackend, "cust", qmk_backend_cust);
 
-/// One GPU test at a time: each launch wants every SM.
-static GPU: Mutex<()> = Mutex::new(());
-
-fn gpu_or_skip(test: &str) -> Option<MutexGuard<'static, ()>> {
-    let reason = match (CustBackend::device_count(), CudarcBackend::device_count()) {
-        (Ok(_), Ok(_)) => return Some(GPU.lock().unwrap_or_else(|e| e.into_inner())),
-        (Err(e), _) => format!("cust: {e}"),
-        (_, Err(e)) => format!("cudarc: {e}"),
-    };
-    println!("SKIPPED {test}: {reason}");
-    None
-}
-
-/// Synthetic weights of the last preset asked for (7B is 15 GB: keep one).
-fn weights(preset: &str) -> Arc<Weights> {
-    static CACHE: Mutex<Option<(String, Arc<Weights>)>> = Mutex::new(None);
-    let mut c = CACHE.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some((p, w)) = c.as_ref() {
-        if p == preset {
-            return w.clone();
-        }
-    }
-    *c = None;
-    let t = Instant::now();
-    let w = Arc::new(synthetic_weights(&Config::preset(preset).unwrap(), SEED));
-    println!(
-        "{preset}: synthetic weights in {:.1} s",
-        t.elapsed().as_secs_f64()
-    );
-    *c = Some((preset.to_string(), w.clone()));
-    w
-}
-
 /// N deterministic token ids below the special tokens (xorshift).
 fn prompt(n: usize, vocab: usize) -> Vec<u32> {
     let limit = vocab.min(151_643) as u64;
@@ -141,26 +106,6 @@ fn prompt(n: usize, vocab: usize) -> Vec<u32> {
             (s % limit) as u32
         })
         .collect()
-}
-
-/// Lowest index of the maximum (the kernel's tie rule).
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-fn rel_err(gpu: impl Iterator<Item = f32>, cpu: &[f32]) -> f64 {
-    let (mut num, mut den) = (0f64, 0f64);
-    for (g, &c) in gpu.zip(cpu) {
-        num += (g as f64 - c as f64).powi(2);
-        den += (c as f64).powi(2);
-    }
-    (num / den.max(f64::MIN_POSITIVE)).sqrt()
 }
 
 fn bf16(bits: u16) -> f32 {
@@ -245,7 +190,7 @@ fn prefill_matches_reference<B: Pf>(preset: &str, n: usize) {
     let out = gpu.prefill(&r.tokens, 0).unwrap();
     let wall = t.elapsed().as_secs_f64();
     let lg = gpu.logits().unwrap();
-    let e_logits = rel_err(lg.iter().copied(), &r.logits);
+    let e_logits = rel_err(&lg, &r.logits);
     assert_eq!(
         out.argmax,
         argmax(&lg),
@@ -266,8 +211,8 @@ fn prefill_matches_reference<B: Pf>(preset: &str, n: usize) {
         }
         out
     };
-    let e_k = rel_err(rows(&kc).into_iter(), &r.k);
-    let e_v = rel_err(rows(&vc).into_iter(), &r.v);
+    let e_k = rel_err(&rows(&kc), &r.k);
+    let e_v = rel_err(&rows(&vc), &r.v);
     assert!(e_k <= TOL, "{test}: K cache rel. err {e_k:.3e} > {TOL}");
     assert!(e_v <= TOL, "{test}: V cache rel. err {e_v:.3e} > {TOL}");
 
@@ -320,7 +265,7 @@ fn prefill_errors_and_continuation<B: Pf>() {
     let want = cpu.prefill_seq(0, &tokens[3..], 3).unwrap();
     let out = gpu.prefill(&tokens[3..], 3).unwrap();
     let lg = gpu.logits().unwrap();
-    let e = rel_err(lg.iter().copied(), &want);
+    let e = rel_err(&lg, &want);
     assert!(
         e <= TOL,
         "{test}: logits rel. err {e:.3e} after 3 steps + prefill"

@@ -15,6 +15,9 @@
 //! `precompile_cubins` with `QMK_SCALE_PRECOMPILE=DIR`);
 //! `QMK_BISECT_LAYERS=30,31` overrides the layer counts of the bisection.
 
+mod common;
+use common::*;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -28,7 +31,6 @@ use qmk_layout::{first_wrapping_slice, plan_model, ModelPlan, OffsetModel, Offse
 use qmk_model::reference::{Reference, ReferenceOptions};
 use qmk_model::{synthetic_weights, Config, Weights};
 
-const SEED: u64 = 20261129;
 /// Two prompt tokens, then greedy picks.
 const PROMPT: [u32; 2] = [9707, 11];
 /// Greedy steps after the prompt (issue 7 asks for at least 4).
@@ -111,26 +113,6 @@ fn truncate_layers(w: &mut Weights, n: usize) {
     cut(&mut w.down_proj);
     w.config.num_hidden_layers = n;
     w.check_sizes().unwrap();
-}
-
-fn rel_err(gpu: &[f32], cpu: &[f32]) -> f64 {
-    let (mut num, mut den) = (0f64, 0f64);
-    for (&g, &c) in gpu.iter().zip(cpu) {
-        num += (g as f64 - c as f64).powi(2);
-        den += (c as f64).powi(2);
-    }
-    (num / den).sqrt()
-}
-
-/// Lowest index of the maximum (the kernel's tie rule).
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Tokens fed and logits of a greedy run: PROMPT, then GREEDY picks.
