@@ -43,6 +43,16 @@ __device__ __forceinline__ void warp_dot_rows(const char* const (&rows)[NR],
     for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
 }
 
+// First work unit of this warp in a weight phase (units strided by
+// gridDim.x * WARPS). CTA-major by default; warp-major with kFlagWarpMajor,
+// so the last, partial round of a phase is spread over every SM instead of
+// filling whole CTAs while the rest of the grid idles.
+__device__ __forceinline__ u32 first_unit(u32 flags) {
+    const u32 warp = threadIdx.x >> 5;
+    return (flags & kFlagWarpMajor) ? warp * gridDim.x + blockIdx.x
+                                    : blockIdx.x * QMK_WARPS + warp;
+}
+
 // Copy n f32 values (global, written earlier in this launch: coherent loads)
 // to shared memory. Caller synchronises.
 __device__ __forceinline__ void load_vec_to_smem(const float* __restrict__ src, float* dst, int n) {

@@ -40,6 +40,10 @@ static_assert(QMK_SMEM_FLOATS >= QMK_HIDDEN && QMK_SMEM_FLOATS >= QMK_Q_DIM &&
               "dynamic shared memory too small for an activation vector");
 static_assert(QMK_SMEM_FLOATS >= 2 * QMK_WARPS + QMK_WARPS * QMK_HEAD_DIM,
               "dynamic shared memory too small for the attention merge");
+static_assert(QMK_SMEM_FLOATS >= qmk::kAttnGroup * QMK_HEAD_DIM + 2 * QMK_WARPS +
+                                      QMK_WARPS * QMK_HEAD_DIM +
+                                      2 * qmk::kAttnGroup * qmk::kAttnMaxSplits + qmk::kAttnGroup,
+              "dynamic shared memory too small for the split attention");
 static_assert(QMK_THREADS_PER_CTA == QMK_THREADS, "host and kernel disagree on the block size");
 static_assert((unsigned long long)QMK_VOCAB * QMK_HIDDEN * 2ull <= 0xffffffffull + 1ull,
               "embedding/LM head rows are addressed with koff_t");
@@ -68,13 +72,29 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
         return;
     }
 
+    // Test hook (kFlagDebugOob): an off-by-one read just past the logits
+    // buffer, then a read with no mapping behind it. asm volatile loads are
+    // never optimised away.
+    if ((p.flags & kFlagDebugOob) && blockIdx.x == 0 && threadIdx.x == 0) {
+        (void)ld_volatile_u32(p.logits + 4ull * QMK_VOCAB);
+        (void)ld_volatile_u32(p.q_proj[0] + (1ull << 40));
+    }
+
     const u32 skip = p.flags >> kSkipShift;  // profiling only; 0 in normal runs
+    // Attention path, uniform over the grid (flags and pos are): the split
+    // (flash-decoding) one from kAttnSplitMinContext cached positions on.
+    const bool split_attn = (p.flags & kFlagAttnNoSplit) == 0u &&
+                            ((p.flags & kFlagAttnForceSplit) != 0u || pos + 1u >= kAttnSplitMinContext);
+    if (split_attn && blockIdx.x == 0) attention_zero_tickets(p);
     GridBarrier bar;
     bar.init(p);
     for (u32 layer = 0; layer < QMK_LAYERS; ++layer) {
         if (!(skip & 1u)) qkv_proj(p, layer, token, pos, xs, red);
         if (!bar.sync(p, kPhaseQkv, layer)) return;
-        if (!(skip & 2u)) attention(p, layer, pos, xs);
+        if (!(skip & 2u)) {
+            if (split_attn) attention_split(p, layer, pos, xs);
+            else attention(p, layer, pos, xs);
+        }
         if (!bar.sync(p, kPhaseAttention, layer)) return;
         if (!(skip & 4u)) o_proj(p, layer, token, xs);
         if (!bar.sync(p, kPhaseOProj, layer)) return;

@@ -52,7 +52,16 @@ struct Params {
     u32 flags;            // kFlag*
     float rms_norm_eps;
     u32 reserved;
+    u64 attn_part;        // split attention scratch: tickets [L, KVH] u32 (padded
+                          // to 4 words), m/l [HEADS, S, 2] f32, acc [HEADS, S, D]
+                          // f32, S = min(grid / KVH, kAttnMaxSplits) (>= 1)
 };
+
+// Most sequence blocks per kv head of the split attention (sizes its
+// scratch and the combine's shared memory).
+constexpr u32 kAttnMaxSplits = 64u;
+// Cached positions (pos + 1) from which the split attention is the default.
+constexpr u32 kAttnSplitMinContext = 512u;
 
 // Read the token from argmax_out (the previous step's pick) instead of
 // Params::token: back-to-back greedy decoding with no host round trip.
@@ -64,6 +73,24 @@ constexpr u32 kFlagDebugHang = 2u;
 // __threadfence) instead of the default red.release.gpu arrive +
 // ld.acquire.gpu poll.
 constexpr u32 kFlagBarrierFenced = 4u;
+// Test hook: thread 0 of CTA 0 reads one word past the logits buffer
+// (memcheck with --padding reports it), then far out of bounds (a weight
+// chunk + 2^40: CUDA_ERROR_ILLEGAL_ADDRESS, sticky).
+constexpr u32 kFlagDebugOob = 8u;
+// Measurement (issue 8, NOTES "v1.3"): the weight phases' warp-to-row map.
+// Default: r = blockIdx.x * WARPS + warp (CTA-major: the tail round of a
+// phase leaves whole SMs idle). With this bit: r = warp * gridDim.x +
+// blockIdx.x (warp-major: the tail round is spread over every SM). Same
+// rows, same arithmetic per row: results are bit-identical either way.
+constexpr u32 kFlagWarpMajor = 16u;
+// Attention along the sequence (flash-decoding): work item = (kv head,
+// sequence block), all query heads of the group per item, partials
+// (m, l, acc[D]) in p.attn_part, combined in fixed order in o_proj's
+// prologue. Off with this bit (the v1 one-CTA-per-head path, for A/B).
+constexpr u32 kFlagAttnNoSplit = 32u;
+// A/B: the split attention at every context length (by default it runs from
+// kAttnSplitMinContext cached positions on; below, the v1 path).
+constexpr u32 kFlagAttnForceSplit = 64u;
 // Profiling: bits kSkipShift.. skip phases (qkv, attention, o_proj, gate_up,
 // down, lm_head) while keeping every barrier; time(full) - time(skip X)
 // is what X costs. Results are garbage in these runs.

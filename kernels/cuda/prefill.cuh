@@ -15,10 +15,10 @@
 
 namespace qmk {
 
-// Dynamic shared memory: the GEMM stage (gate/up: two weight tiles) or the
-// final norm's activation vector.
+// Dynamic shared memory: the GEMM stages or the final norm's activation
+// vector, whichever is larger.
 constexpr u32 kPrefillSmemBytes =
-    gemm_smem_bytes(2) > (u32)(QMK_HIDDEN * 4) ? gemm_smem_bytes(2) : (u32)(QMK_HIDDEN * 4);
+    gemm_smem_bytes() > (u32)(QMK_HIDDEN * 4) ? gemm_smem_bytes() : (u32)(QMK_HIDDEN * 4);
 static_assert(kPrefillSmemBytes <= QMK_PREFILL_SMEM_BYTES,
               "host and kernel disagree on the prefill kernel's shared memory");
 static_assert(QMK_PREFILL_BARRIERS == 8 * QMK_LAYERS + 1, "prefill barrier count drifted");

@@ -1,24 +1,36 @@
 // prefill_gemm.cuh: Y[T, N] = X[T, K] . W[N, K]^T on tensor cores, for the
 // whole chunk, with the epilogue fused (bias, residual add, SiLU x up).
 //
-// X is bf16 in global memory (written earlier in this launch: coherent
-// loads); W is a weight tensor's layer slice, rows addressed exactly as the
-// decode kernel does (chunk base + koff_t offset). NB = 1 or 2 weight
-// tensors share one X tile (gate and up: the epilogue sees both results).
+// X is bf16 in global memory (written earlier in this launch, by other CTAs:
+// read with cp.async.cg, which goes through L2 and never a stale L1); W is a
+// weight tensor's layer slice, rows addressed exactly as the decode kernel
+// does (chunk base + koff_t offset). A layer slice lives in one chunk of the
+// split plan (the planner cuts along layers), so a tile never straddles a
+// chunk. NB = 1 or 2 weight tensors share one X tile (gate and up: the
+// epilogue sees both results of the same output column).
 //
-// CTA tile BM x BN = 64 x 128, K step BK = 32; 16 warps as 4 (M) x 4 (N),
-// each warp 16 x 32 = 4 mma n-tiles per 16-wide k-step. One shared-memory
-// stage; the next K step's global loads are issued before the current
-// step's mma (register double buffer). Rows padded to 40 bf16 (80 B): the
-// fragment reads of a warp hit 32 distinct banks.
-// Work = ceil(T / BM) x ceil(N / BN) tiles, strided over the grid.
+// Multistage tensor-core mainloop (the CUTLASS sm80 "multistage" shape):
+//   CTA tile BM x 128 B-rows (NB = 2: 64 columns of each tensor), K step 32,
+//   kGemmStages shared-memory stages filled with 16-byte cp.async.cg
+//   (zero-fill beyond the valid rows), fragments read with ldmatrix.x4 from
+//   rows padded to 40 bf16 (80 B: the 8 row addresses of one 8x8 matrix hit
+//   8 distinct 16-byte bank groups, no conflicts), mma.sync m16n8k16 bf16
+//   with f32 accumulators. Both operands are K-contiguous, so neither needs
+//   ldmatrix .trans.
+//   16 warps: BM = 128 -> 4 (M) x 4 (N), warp tile 32 x 32;
+//             BM =  64 -> 2 (M) x 8 (N), warp tile 32 x 16 (small chunks:
+//             twice the tiles, fewer idle SMs).
+// Work = ceil(T / BM) x ceil(N / (128 / NB)) tiles, strided over the grid.
 #pragma once
 
 namespace qmk {
 
-constexpr u32 kGemmBM = 64, kGemmBN = 128, kGemmBK = 32, kGemmLd = kGemmBK + 8;
-// Shared memory of one GEMM with NB weight tensors, bytes.
-constexpr u32 gemm_smem_bytes(u32 nb) { return (kGemmBM + nb * kGemmBN) * kGemmLd * 2u; }
+constexpr u32 kGemmBN = 128;  // B rows per CTA tile (all NB tensors together)
+constexpr u32 kGemmBK = 32, kGemmLd = kGemmBK + 8, kGemmStages = 4;
+constexpr u32 kGemmBMMax = 128;
+// Shared memory of the GEMM mainloop (largest BM), bytes; the host's twin is
+// qmk_kernels::prefill_smem_bytes (PREFILL_GEMM_TILE, PREFILL_GEMM_STAGES).
+constexpr u32 gemm_smem_bytes() { return kGemmStages * (kGemmBMMax + kGemmBN) * kGemmLd * 2u; }
 static_assert(QMK_THREADS == 512, "the GEMM tile assumes 16 warps");
 
 // Rows of one weight tensor's layer slice: row(n) = base + li*s0 + n*s1 in
@@ -43,90 +55,168 @@ __device__ __forceinline__ WRows wrows(const u64 (&chunks)[QMK_MAX_CHUNKS], u32 
     return r;
 }
 
-// One BM x BN output tile: rows m0.., columns n0.. of W (n < n_end valid).
-// a: X [T, K] bf16 with row pitch lda_bytes; rows >= t_end read as zero.
-// epi(t, n, v0[NB], v1[NB]): columns n and n + 1 of row t (both valid).
-template <int NB, int K, class Epi>
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes global -> shared, bypassing L1; src_bytes = 0 writes zeros (rows
+// beyond the matrix; the source address must still be a valid one).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Four 8x8 bf16 matrices; lane l supplies the row address of matrix l / 8.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// One BM x (128 / NB per tensor) output tile: rows m0.., columns n0.. of
+// each W (n < n_end valid). a: X [T, K] bf16 with row pitch lda_bytes; rows
+// >= t_end read as zero. epi(t, n, v0[NB], v1[NB]): columns n and n + 1 of
+// row t (both valid), one value per tensor.
+template <int BM, int NB, int K, class Epi>
 __device__ __forceinline__ void gemm_tile(const char* a, u32 lda_bytes, u32 t_end, u32 m0,
                                           const WRows (&w)[NB], u32 n0, u32 n_end, u16* smem,
                                           Epi epi) {
+    static_assert(BM == 64 || BM == 128, "BM is 64 or 128");
+    static_assert(NB == 1 || NB == 2, "one or two weight tensors");
     static_assert(K % kGemmBK == 0, "K must be a multiple of the K step");
-    u16* As = smem;                       // [BM][Ld]
-    u16* Bs = smem + kGemmBM * kGemmLd;   // [NB][BN][Ld]
+    constexpr u32 WM = BM / 32;              // warps along M (32 rows each)
+    constexpr u32 WN = QMK_WARPS / WM;       // warps along N
+    constexpr u32 WNC = kGemmBN / WN;        // B rows (columns of Y) per warp: 32 or 16
+    constexpr u32 WNT = WNC / NB;            // of which per tensor
+    constexpr u32 JT = WNC / 8;              // mma n-tiles per warp
+    constexpr u32 JTB = JT / NB;             // per tensor
+    constexpr u32 KT = (u32)K / kGemmBK;     // K steps
+    constexpr u32 STAGE = (BM + kGemmBN) * kGemmLd;  // u16 per stage
+    static_assert(JTB >= 1 && JT % 2 == 0, "the B ldmatrix.x4 covers two n-tiles");
+    static_assert(kGemmStages * STAGE * 2u <= gemm_smem_bytes(), "GEMM stages exceed the smem");
+
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const u32 g = lane >> 2, c = lane & 3;
-    const u32 wm = warp >> 2, wn = warp & 3;
-    // Loader roles: A: threads 0..255, row tid/4, 16-byte piece tid%4.
-    //               B: every thread, row tid/4 (0..127), piece tid%4, per tensor.
+    const u32 wm = warp / WN, wn = warp % WN;
+
+    // Loader roles, 16-byte pieces (4 per 32-wide row): A: BM x 4 pieces
+    // (threads 0 .. 4 BM - 1); B: 128 x 4 = one piece per thread.
     const u32 lrow = tid >> 2, lpiece = tid & 3;
-    const bool a_loader = tid < kGemmBM * 4;
-    const bool a_valid = a_loader && m0 + lrow < t_end;
-    const char* a_src = a + (size_t)(m0 + (a_valid ? lrow : 0)) * lda_bytes + lpiece * 16u;
-    const bool b_valid = n0 + lrow < n_end;
-    const char* b_src[NB];
-#pragma unroll
-    for (int b = 0; b < NB; ++b) b_src[b] = w[b].row(b_valid ? n0 + lrow : n0) + lpiece * 16u;
+    const bool a_loader = lrow < (u32)BM;
+    const u32 a_ok = (a_loader && m0 + lrow < t_end) ? 16u : 0u;
+    const char* a_src = a + (size_t)(m0 + (a_ok ? lrow : 0u)) * lda_bytes + lpiece * 16u;
+    // B row lrow of the tile: warp column group lrow / WNC; inside it the
+    // first WNT rows belong to tensor 0, the next WNT to tensor 1, so one
+    // warp holds gate and up of the same output columns.
+    const u32 bgrp = lrow / WNC, bin = lrow % WNC;
+    const u32 bt = bin / WNT;
+    const u32 bn = n0 + bgrp * WNT + bin % WNT;
+    const u32 b_ok = bn < n_end ? 16u : 0u;
+    const WRows wb = NB == 1 ? w[0] : w[bt < 1 ? 0 : NB - 1];
+    const char* b_src = wb.row(b_ok ? bn : n0) + lpiece * 16u;
+    const u32 sbase = smem_u32(smem);
+    const u32 a_dst = sbase + (lrow * kGemmLd + lpiece * 8u) * 2u;
+    const u32 b_dst = sbase + ((BM + lrow) * kGemmLd + lpiece * 8u) * 2u;
 
-    float acc[NB][4][4];
-#pragma unroll
-    for (int b = 0; b < NB; ++b)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[b][j][e] = 0.0f;
-
-    uint4 ra = make_uint4(0, 0, 0, 0), rb[NB];
-    auto load = [&](u32 k0) {
-        if (a_valid) ra = *reinterpret_cast<const uint4*>(a_src + (size_t)k0 * 2);
-#pragma unroll
-        for (int b = 0; b < NB; ++b)
-            rb[b] = b_valid ? ld_weight16(b_src[b] + (size_t)k0 * 2) : make_uint4(0, 0, 0, 0);
+    auto load_stage = [&](u32 kt, u32 s) {
+        const u32 so = s * STAGE * 2u;
+        const size_t ko = (size_t)kt * kGemmBK * 2u;
+        if (a_loader) cp_async16(a_dst + so, a_src + ko, a_ok);
+        cp_async16(b_dst + so, b_src + ko, b_ok);
     };
-    load(0);
-#pragma unroll 1
-    for (u32 k0 = 0; k0 < (u32)K; k0 += kGemmBK) {
-        __syncthreads();  // the previous step's fragment reads are done
-        if (a_loader) *reinterpret_cast<uint4*>(As + lrow * kGemmLd + lpiece * 8) = ra;
+
+    float acc[2][JT][4];
 #pragma unroll
-        for (int b = 0; b < NB; ++b)
-            *reinterpret_cast<uint4*>(Bs + (b * kGemmBN + lrow) * kGemmLd + lpiece * 8) = rb[b];
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < (int)JT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    // ldmatrix lane addresses (u16 offsets inside a stage).
+    //   A, m-tile i: row wm*32 + i*16 + lane%16, k (lane/16)*8
+    //   B, n-tile pair jp: row BM + wn*WNC + jp*16 + (lane/16)*8 + lane%8,
+    //      k ((lane/8)%2)*8   (matrices: n 0-7 k 0-7 | n 0-7 k 8-15 |
+    //      n 8-15 k 0-7 | n 8-15 k 8-15 = b0, b1 of two n-tiles)
+    const u32 a_frag = ((wm * 32 + (lane & 15)) * kGemmLd + (lane >> 4) * 8u) * 2u;
+    const u32 b_frag =
+        ((BM + wn * WNC + (lane >> 4) * 8u + (lane & 7)) * kGemmLd + ((lane >> 3) & 1u) * 8u) * 2u;
+
+    // The previous tile's last fragment reads are done before the prologue
+    // overwrites its stages.
+    __syncthreads();
+#pragma unroll
+    for (u32 s = 0; s < kGemmStages - 1; ++s) {
+        if (s < KT) load_stage(s, s);
+        cp_async_commit();
+    }
+#pragma unroll 1
+    for (u32 kt = 0; kt < KT; ++kt) {
+        // Stage kt has landed (this thread's copies), then every thread's.
+        cp_async_wait<(int)kGemmStages - 2>();
         __syncthreads();
-        if (k0 + kGemmBK < (u32)K) load(k0 + kGemmBK);
+        // Refill the stage consumed in iteration kt - 1 (every warp is past
+        // it: the barrier above).
+        const u32 nk = kt + kGemmStages - 1;
+        if (nk < KT) load_stage(nk, nk % kGemmStages);
+        cp_async_commit();
+        const u32 so = sbase + (kt % kGemmStages) * STAGE * 2u;
 #pragma unroll
         for (u32 kk = 0; kk < kGemmBK; kk += 16) {
-            u32 af[4];
-            const u16* ap = As + (wm * 16 + g) * kGemmLd + kk + 2 * c;
-            af[0] = *reinterpret_cast<const u32*>(ap);
-            af[1] = *reinterpret_cast<const u32*>(ap + 8 * kGemmLd);
-            af[2] = *reinterpret_cast<const u32*>(ap + 8);
-            af[3] = *reinterpret_cast<const u32*>(ap + 8 * kGemmLd + 8);
+            u32 af[2][4];
 #pragma unroll
-            for (int b = 0; b < NB; ++b)
+            for (u32 i = 0; i < 2; ++i) ldmatrix_x4(af[i], so + a_frag + (i * 16 * kGemmLd + kk) * 2u);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const u16* bp = Bs + (b * kGemmBN + wn * 32 + j * 8 + g) * kGemmLd + kk + 2 * c;
-                    mma_bf16_16816(acc[b][j], af, *reinterpret_cast<const u32*>(bp),
-                                   *reinterpret_cast<const u32*>(bp + 8));
+            for (u32 jp = 0; jp < JT / 2; ++jp) {
+                u32 bf[4];
+                ldmatrix_x4(bf, so + b_frag + (jp * 16 * kGemmLd + kk) * 2u);
+#pragma unroll
+                for (u32 i = 0; i < 2; ++i) {
+                    mma_bf16_16816(acc[i][2 * jp], af[i], bf[0], bf[1]);
+                    mma_bf16_16816(acc[i][2 * jp + 1], af[i], bf[2], bf[3]);
                 }
+            }
         }
     }
+    cp_async_wait<0>();
+
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const u32 n = n0 + wn * 32 + j * 8 + 2 * c;
+    for (u32 j = 0; j < JTB; ++j) {
+        const u32 n = n0 + wn * WNT + j * 8 + 2 * c;
         if (n >= n_end) continue;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const u32 t = m0 + wm * 16 + g + 8 * h;
-            if (t >= t_end) continue;
-            float v0[NB], v1[NB];
+        for (u32 i = 0; i < 2; ++i)
 #pragma unroll
-            for (int b = 0; b < NB; ++b) {
-                v0[b] = acc[b][j][2 * h];
-                v1[b] = acc[b][j][2 * h + 1];
+            for (u32 h = 0; h < 2; ++h) {
+                const u32 t = m0 + wm * 32 + i * 16 + g + 8 * h;
+                if (t >= t_end) continue;
+                float v0[NB], v1[NB];
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    v0[b] = acc[i][j + b * JTB][2 * h];
+                    v1[b] = acc[i][j + b * JTB][2 * h + 1];
+                }
+                epi(t, n, v0, v1);
             }
-            epi(t, n, v0, v1);
-        }
     }
+}
+
+// Row-tile height of a GEMM phase over t rows and nt column tiles on `grid`
+// CTAs: 64-row tiles when their waves finish sooner (fewer idle CTAs in the
+// last wave); a 64-row tile is costed at 0.6 of a 128-row one (lower
+// mma : ldmatrix ratio, same per-tile fixed cost). Uniform over the grid.
+__device__ __forceinline__ bool gemm_use_bm64(u32 t, u32 nt, u32 grid) {
+    const u32 t128 = ((t + 127) / 128) * nt, t64 = ((t + 63) / 64) * nt;
+    const u32 w128 = (t128 + grid - 1) / grid, w64 = (t64 + grid - 1) / grid;
+    return w64 * 6u < w128 * 10u;
 }
 
 }  // namespace qmk

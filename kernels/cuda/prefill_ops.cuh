@@ -1,18 +1,26 @@
 // prefill_ops.cuh: the GEMM phases of one layer of the prefill kernel, each
-// a strided loop over (64-row, 128-column) output tiles of gemm_tile with
-// its epilogue:
+// a strided loop over (BM-row, 128 / NB-column) output tiles of gemm_tile
+// with its epilogue (BM = 64 or 128, chosen per phase from the tile count and
+// the grid: gemm_use_bm64):
 //   qkv     qkv[T, Q+2KV] f32 = xa . [Wq; Wk; Wv]^T + bias (rotary next phase)
 //   o_proj  act[T, H] += attn . Wo^T                 (residual add)
 //   gate_up hb[T, I] bf16 = silu(xa . Wg^T) * (xa . Wu^T)
 //   down    act[T, H] += hb . Wd^T                   (residual add)
 // Every output element is written by exactly one thread.
+//
+// Tile order is column-major (tile = n_tile * mt + m_tile): the CTAs of a
+// wave share few weight tiles, each read from HBM once and by the other
+// row tiles from L2 (7B gate/up is 271 MB a layer: row-major order re-read
+// it once per 128-row tile, 16 times at 2,048 tokens); the activations
+// (7B x: 14.7 MB at 2,048 rows) stay in L2.
 #pragma once
 
 namespace qmk {
 
 static_assert(QMK_HIDDEN % 2 == 0 && QMK_INTER % 2 == 0, "epilogues write column pairs");
 
-__device__ __forceinline__ void prefill_qkv(const PrefillParams& pp, u32 layer, u16* smem) {
+template <int BM>
+__device__ __forceinline__ void prefill_qkv_tiles(const PrefillParams& pp, u32 layer, u16* smem) {
     const Params& p = pp.base;
     const WRows wq = wrows<q_proj_t>(p.q_proj, layer);
     const WRows wk = wrows<k_proj_t>(p.k_proj, layer);
@@ -25,15 +33,15 @@ __device__ __forceinline__ void prefill_qkv(const PrefillParams& pp, u32 layer, 
     // Q or KV is not a multiple of the tile width).
     constexpr u32 QT = (QMK_Q_DIM + kGemmBN - 1) / kGemmBN, KT = (QMK_KV_DIM + kGemmBN - 1) / kGemmBN;
     constexpr u32 NT = QT + 2 * KT;
-    const u32 mt = (pp.n_tokens + kGemmBM - 1) / kGemmBM;
+    const u32 mt = (pp.n_tokens + BM - 1) / BM;
     for (u32 tile = blockIdx.x; tile < mt * NT; tile += gridDim.x) {
-        const u32 m0 = (tile / NT) * kGemmBM, nt = tile % NT;
+        const u32 m0 = (tile % mt) * BM, nt = tile / mt;
         const u32 which = nt < QT ? 0u : (nt < QT + KT ? 1u : 2u);
         const u32 n0 = (which == 0 ? nt : (which == 1 ? nt - QT : nt - QT - KT)) * kGemmBN;
         const WRows w[1] = {which == 0 ? wq : (which == 1 ? wk : wv)};
         const u32 n_end = which == 0 ? QMK_Q_DIM : QMK_KV_DIM;
         const u32 col0 = which == 0 ? 0u : (which == 1 ? (u32)QMK_Q_DIM : (u32)(QMK_Q_DIM + QMK_KV_DIM));
-        gemm_tile<1, (int)QMK_HIDDEN>(
+        gemm_tile<BM, 1, (int)QMK_HIDDEN>(
             reinterpret_cast<const char*>(pp.xa), QMK_PF_XA_COLS * 2u, pp.n_tokens, m0, w, n0,
             n_end, smem, [&](u32 t, u32 n, const float (&v0)[1], const float (&v1)[1]) {
                 const float b0 = which == 0 ? bq.elem(n) : (which == 1 ? bk.elem(n) : bv.elem(n));
@@ -46,42 +54,72 @@ __device__ __forceinline__ void prefill_qkv(const PrefillParams& pp, u32 layer, 
     }
 }
 
+__device__ __forceinline__ void prefill_qkv(const PrefillParams& pp, u32 layer, u16* smem) {
+    constexpr u32 NT = (QMK_Q_DIM + kGemmBN - 1) / kGemmBN + 2 * ((QMK_KV_DIM + kGemmBN - 1) / kGemmBN);
+    if (gemm_use_bm64(pp.n_tokens, NT, gridDim.x))
+        prefill_qkv_tiles<64>(pp, layer, smem);
+    else
+        prefill_qkv_tiles<128>(pp, layer, smem);
+}
+
 // act += a . W^T for a [T, K] bf16 (pitch a_cols) and W [H, K].
+template <int BM, class T, int K>
+__device__ __forceinline__ void prefill_residual_tiles(const PrefillParams& pp,
+                                                       const u64 (&chunks)[QMK_MAX_CHUNKS],
+                                                       u32 layer, u64 a, u32 a_cols, u16* smem) {
+    const WRows w[1] = {wrows<T>(chunks, layer)};
+    float* act = reinterpret_cast<float*>(pp.act);
+    constexpr u32 NT = (QMK_HIDDEN + kGemmBN - 1) / kGemmBN;
+    const u32 mt = (pp.n_tokens + BM - 1) / BM;
+    for (u32 tile = blockIdx.x; tile < mt * NT; tile += gridDim.x) {
+        const u32 m0 = (tile % mt) * BM, n0 = (tile / mt) * kGemmBN;
+        gemm_tile<BM, 1, K>(reinterpret_cast<const char*>(a), a_cols * 2u, pp.n_tokens, m0, w, n0,
+                            QMK_HIDDEN, smem,
+                            [&](u32 t, u32 n, const float (&v0)[1], const float (&v1)[1]) {
+                                float* dst = act + (size_t)t * QMK_HIDDEN + n;
+                                dst[0] = dst[0] + v0[0];
+                                dst[1] = dst[1] + v1[0];
+                            });
+    }
+}
+
 template <class T, int K>
 __device__ __forceinline__ void prefill_residual_gemm(const PrefillParams& pp,
                                                       const u64 (&chunks)[QMK_MAX_CHUNKS],
                                                       u32 layer, u64 a, u32 a_cols, u16* smem) {
-    const WRows w[1] = {wrows<T>(chunks, layer)};
-    float* act = reinterpret_cast<float*>(pp.act);
     constexpr u32 NT = (QMK_HIDDEN + kGemmBN - 1) / kGemmBN;
-    const u32 mt = (pp.n_tokens + kGemmBM - 1) / kGemmBM;
-    for (u32 tile = blockIdx.x; tile < mt * NT; tile += gridDim.x) {
-        const u32 m0 = (tile / NT) * kGemmBM, n0 = (tile % NT) * kGemmBN;
-        gemm_tile<1, K>(reinterpret_cast<const char*>(a), a_cols * 2u, pp.n_tokens, m0, w, n0,
-                        QMK_HIDDEN, smem,
-                        [&](u32 t, u32 n, const float (&v0)[1], const float (&v1)[1]) {
-                            float* dst = act + (size_t)t * QMK_HIDDEN + n;
-                            dst[0] = dst[0] + v0[0];
-                            dst[1] = dst[1] + v1[0];
-                        });
-    }
+    if (gemm_use_bm64(pp.n_tokens, NT, gridDim.x))
+        prefill_residual_tiles<64, T, K>(pp, chunks, layer, a, a_cols, smem);
+    else
+        prefill_residual_tiles<128, T, K>(pp, chunks, layer, a, a_cols, smem);
 }
 
-__device__ __forceinline__ void prefill_gate_up(const PrefillParams& pp, u32 layer, u16* smem) {
+// Tiles of 64 columns of gate and the same 64 of up (one X tile, 128 B rows).
+template <int BM>
+__device__ __forceinline__ void prefill_gate_up_tiles(const PrefillParams& pp, u32 layer, u16* smem) {
     const Params& p = pp.base;
     const WRows w[2] = {wrows<gate_proj_t>(p.gate_proj, layer), wrows<up_proj_t>(p.up_proj, layer)};
     char* hb = reinterpret_cast<char*>(pp.hb);
-    constexpr u32 NT = (QMK_INTER + kGemmBN - 1) / kGemmBN;
-    const u32 mt = (pp.n_tokens + kGemmBM - 1) / kGemmBM;
+    constexpr u32 BNT = kGemmBN / 2;
+    constexpr u32 NT = (QMK_INTER + BNT - 1) / BNT;
+    const u32 mt = (pp.n_tokens + BM - 1) / BM;
     for (u32 tile = blockIdx.x; tile < mt * NT; tile += gridDim.x) {
-        const u32 m0 = (tile / NT) * kGemmBM, n0 = (tile % NT) * kGemmBN;
-        gemm_tile<2, (int)QMK_HIDDEN>(
+        const u32 m0 = (tile % mt) * BM, n0 = (tile / mt) * BNT;
+        gemm_tile<BM, 2, (int)QMK_HIDDEN>(
             reinterpret_cast<const char*>(pp.xa), QMK_PF_XA_COLS * 2u, pp.n_tokens, m0, w, n0,
             QMK_INTER, smem, [&](u32 t, u32 n, const float (&v0)[2], const float (&v1)[2]) {
                 *reinterpret_cast<u32*>(hb + ((size_t)t * QMK_INTER + n) * 2) =
                     pack_bf16x2(silu(v0[0]) * v0[1], silu(v1[0]) * v1[1]);
             });
     }
+}
+
+__device__ __forceinline__ void prefill_gate_up(const PrefillParams& pp, u32 layer, u16* smem) {
+    constexpr u32 NT = (QMK_INTER + kGemmBN / 2 - 1) / (kGemmBN / 2);
+    if (gemm_use_bm64(pp.n_tokens, NT, gridDim.x))
+        prefill_gate_up_tiles<64>(pp, layer, smem);
+    else
+        prefill_gate_up_tiles<128>(pp, layer, smem);
 }
 
 }  // namespace qmk

@@ -34,16 +34,21 @@ pub struct KernelBuild {
     pub prefill_barriers: u32,
 }
 
-/// Prefill GEMM tile (kernels/cuda/prefill_gemm.cuh): rows x columns, K step
-/// and padded row length of the shared-memory tiles (bf16 elements).
-pub const PREFILL_GEMM_TILE: (u64, u64, u64, u64) = (64, 128, 32, 40);
+/// Prefill GEMM tile (kernels/cuda/prefill_gemm.cuh): largest rows x
+/// B rows, K step and padded row length of the shared-memory tiles (bf16
+/// elements).
+pub const PREFILL_GEMM_TILE: (u64, u64, u64, u64) = (128, 128, 32, 40);
+
+/// Shared-memory stages of the prefill GEMM's cp.async pipeline
+/// (`kGemmStages`); 4 x 20 KB fits every target (sm_89 allows 99 KB).
+pub const PREFILL_GEMM_STAGES: u64 = 4;
 
 /// Dynamic shared memory of the prefill kernel for hidden size `h`: the
-/// gate/up GEMM stage (one X tile, two weight tiles) or the final norm's
-/// f32 vector, whichever is larger.
+/// GEMM's stages (X tile + weight tile each) or the final norm's f32
+/// vector, whichever is larger.
 pub fn prefill_smem_bytes(h: u64) -> u64 {
     let (bm, bn, _, ld) = PREFILL_GEMM_TILE;
-    ((bm + 2 * bn) * ld * 2).max(h * 4)
+    (PREFILL_GEMM_STAGES * (bm + bn) * ld * 2).max(h * 4)
 }
 
 fn dim(field: &'static str, v: usize) -> Result<u64> {
@@ -148,7 +153,15 @@ impl KernelBuild {
             }
         }
 
-        let smem_floats = [h, q, i, 2 * WARPS_PER_CTA + WARPS_PER_CTA * d]
+        // The split attention (attention.cuh): q of a kv group [G, D], the
+        // warp merge [2 W + W D], the combine's block weights [2 G S_max + G].
+        let group = heads / kvh.max(1);
+        let attn_split = group * d
+            + 2 * WARPS_PER_CTA
+            + WARPS_PER_CTA * d
+            + 2 * group * u64::from(crate::params::ATTN_MAX_SPLITS)
+            + group;
+        let smem_floats = [h, q, i, 2 * WARPS_PER_CTA + WARPS_PER_CTA * d, attn_split]
             .into_iter()
             .max()
             .unwrap_or(h);
@@ -259,7 +272,7 @@ mod tests {
         }
         // (64 + 2 x 128) rows x 40 bf16: the gate/up stage; 72B's final-norm
         // vector (8192 f32) is larger.
-        assert_eq!(prefill_smem_bytes(896), 25_600);
-        assert_eq!(prefill_smem_bytes(8192), 32_768);
+        assert_eq!(prefill_smem_bytes(896), 81_920);
+        assert_eq!(prefill_smem_bytes(8192), 81_920);
     }
 }

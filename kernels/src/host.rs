@@ -54,11 +54,31 @@ pub struct GpuOptions {
     /// 32-bit trap in a real decode; see crates/backend-cust/tests/scale.rs).
     pub plan: Option<qmk_layout::ModelPlan>,
     /// Prompt positions per launch of the tensor-core prefill kernel
-    /// (`qmk_prefill_chunk`, issue 9). `None` (the default) keeps
-    /// `Backend::prefill` on one decode step per prompt token. Opt-in until
-    /// measured on a GPU (NOTES.md, "prefill (not yet run on a GPU)").
+    /// (`qmk_prefill_chunk`, issue 9); clamped to `capacity`. Default
+    /// [`DEFAULT_PREFILL_CHUNK`]. `None` keeps `Backend::prefill` on one
+    /// decode step per prompt token (and allocates no prefill scratch).
     pub prefill_chunk: Option<u32>,
+    /// Prompts shorter than this many tokens are fed one decode step per
+    /// token even when the prefill kernel is enabled (for a handful of
+    /// tokens a decode step, ~0.7 ms at 0.5B, can beat one chunk launch that
+    /// streams every weight with few rows per tile). Default
+    /// [`DEFAULT_PREFILL_MIN_TOKENS`]; 1 sends every prompt to the kernel.
+    pub prefill_min_tokens: usize,
 }
+
+/// Default [`GpuOptions::prefill_chunk`]: positions per prefill launch.
+/// Larger chunks stream the weights fewer times and give the attention
+/// phase more (query block, head) units to spread over the SMs (at 0.5B a
+/// 512-token chunk keeps ~1/5 of the warps busy there); the scratch grows
+/// linearly (7B at 2,048: 174 MB). Provisional until the chunk sweep of
+/// `scripts/gpu/prefill.sh run` (NOTES.md, issue 9).
+pub const DEFAULT_PREFILL_CHUNK: u32 = 2048;
+
+/// Default [`GpuOptions::prefill_min_tokens`]: the shortest prompt that goes
+/// through the prefill kernel. An estimate (one small chunk launch ~ 1-1.5
+/// decode steps at 0.5B and 7B); `scripts/gpu/prefill.sh run` prints the
+/// measured step-by-step vs batched table at 1, 4, 16, 64 tokens to set it.
+pub const DEFAULT_PREFILL_MIN_TOKENS: usize = 2;
 
 impl Default for GpuOptions {
     fn default() -> Self {
@@ -70,7 +90,8 @@ impl Default for GpuOptions {
             step_deadline: Duration::from_secs(30),
             ctas_per_sm: None,
             plan: None,
-            prefill_chunk: None,
+            prefill_chunk: Some(DEFAULT_PREFILL_CHUNK),
+            prefill_min_tokens: DEFAULT_PREFILL_MIN_TOKENS,
         }
     }
 }
@@ -184,6 +205,8 @@ pub enum Buffer {
     PartialIdx,
     ArgmaxOut,
     Sync,
+    /// Split-attention scratch ([`attn_part_bytes`]).
+    AttnPart,
 }
 
 impl Buffer {
@@ -203,6 +226,7 @@ impl Buffer {
             Buffer::PartialIdx => "partial_idx",
             Buffer::ArgmaxOut => "argmax_out",
             Buffer::Sync => "sync",
+            Buffer::AttnPart => "attn_part",
         }
     }
 }
@@ -223,6 +247,7 @@ pub fn set_buffer(params: &mut KernelParams, buffer: Buffer, addr: u64) {
         Buffer::PartialIdx => &mut params.partial_idx,
         Buffer::ArgmaxOut => &mut params.argmax_out,
         Buffer::Sync => &mut params.sync,
+        Buffer::AttnPart => &mut params.attn_part,
     };
     *field = addr;
 }
@@ -351,6 +376,44 @@ fn mul(a: u64, b: u64, what: &str) -> Result<u64> {
     a.checked_mul(b).ok_or_else(|| overflow(what))
 }
 
+/// Sequence blocks per kv head the split attention may use with a grid of
+/// `grid` CTAs: one item per CTA, at least 1, at most
+/// [`crate::params::ATTN_MAX_SPLITS`] (the kernel's `attn_split_max`).
+pub fn attn_max_splits(config: &Config, grid: u32) -> u32 {
+    let kvh = (config.num_kv_heads() as u32).max(1);
+    (grid / kvh).clamp(1, crate::params::ATTN_MAX_SPLITS)
+}
+
+/// Bytes of the split-attention scratch (`KernelParams::attn_part`):
+/// tickets `[L, KVH]` u32 padded to 4 words, then `[HEADS, S, 2]` f32
+/// (block max, block sum) and `[HEADS, S, D]` f32 (block accumulators),
+/// S = [`attn_max_splits`].
+pub fn attn_part_bytes(config: &Config, grid: u32) -> Result<u64> {
+    let what = "the split-attention scratch";
+    let s = u64::from(attn_max_splits(config, grid));
+    let tickets = mul(
+        config.num_hidden_layers as u64,
+        config.num_kv_heads() as u64,
+        what,
+    )?
+    .div_ceil(4)
+    .checked_mul(4)
+    .ok_or_else(|| overflow(what))?;
+    let per_block = (config.head_dim() as u64)
+        .checked_add(2)
+        .ok_or_else(|| overflow(what))?;
+    let floats = mul(
+        mul(config.num_attention_heads as u64, s, what)?,
+        per_block,
+        what,
+    )?;
+    mul(
+        tickets.checked_add(floats).ok_or_else(|| overflow(what))?,
+        4,
+        what,
+    )
+}
+
 /// Every device allocation of one engine, in bytes, checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemoryPlan {
@@ -450,6 +513,7 @@ impl MemoryPlan {
             (Buffer::PartialIdx, f32s(grid as usize)?),
             (Buffer::ArgmaxOut, 16),
             (Buffer::Sync, size_of::<SyncState>() as u64),
+            (Buffer::AttnPart, attn_part_bytes(config, grid)?),
         ];
         let mut prefill = Vec::new();
         if let Some(t) = prefill_chunk {
@@ -602,6 +666,62 @@ pub struct BenchOptions {
     /// Size of the streaming-read buffer for the floor.
     pub stream_bytes: u64,
     pub stream_reps: usize,
+    /// KV length the timed steps run at (`bench --context N`): the first
+    /// timed step decodes position `max(context, warmup)`, after warm-up
+    /// steps at the positions just before it. Positions below the first
+    /// warm-up step hold synthetic KV values ([`KV_FILL_BF16`]). 0: start
+    /// at position 0 (the short-context bench).
+    pub context: usize,
+    /// Extra [`KernelParams::flags`] bits for every step (A/B runs:
+    /// [`crate::params::FLAG_WARP_MAJOR`], [`crate::params::FLAG_ATTN_NO_SPLIT`]).
+    pub flags: u32,
+}
+
+/// `bench --profile`: (name, extra flags) of every variant, timed in the
+/// same process at the same positions. Phase skips keep every barrier;
+/// cost of a phase = full - skip. The A/B rows: the v1.2 attention (no
+/// sequence split), the split forced at any length (it is the default from
+/// `ATTN_SPLIT_MIN_CONTEXT` on), the warp-major row map, combinations.
+pub const PROFILE_VARIANTS: &[(&str, u32)] = {
+    use crate::params::{
+        FLAG_ATTN_FORCE_SPLIT as FS, FLAG_ATTN_NO_SPLIT as NS, FLAG_WARP_MAJOR as WM,
+        SKIP_SHIFT as K,
+    };
+    &[
+        ("full", 0),
+        ("barriers only", 63 << K),
+        ("skip qkv_proj", 1 << K),
+        ("skip attention", 2 << K),
+        ("skip o_proj", 4 << K),
+        ("skip mlp gate/up", 8 << K),
+        ("skip mlp down", 16 << K),
+        ("skip lm_head", 32 << K),
+        ("full, attention no split (v1.2)", NS),
+        ("skip attention, no split", NS | 2 << K),
+        ("full, split forced", FS),
+        ("full, warp-major", WM),
+        ("full, warp-major, no split", WM | NS),
+        ("skip o_proj, warp-major", WM | 4 << K),
+        ("skip mlp down, warp-major", WM | 16 << K),
+    ]
+};
+
+/// bf16 bits of the synthetic KV value a long-context bench fills the
+/// cache with (0.0078125 = 2^-7: small, finite, so scores stay finite and
+/// the softmax is well defined; never zeros to time).
+pub const KV_FILL_BF16: u16 = 0x3C00;
+
+/// The positions of a bench run: `(first, total)`: `total` steps decode
+/// positions `first..first + total`, the last `opts.steps` of them timed.
+pub fn bench_positions(opts: &BenchOptions) -> (usize, usize) {
+    let total = opts.warmup + opts.steps;
+    (opts.context.saturating_sub(opts.warmup), total)
+}
+
+/// KV-cache capacity a bench run needs ([`bench_positions`] + 1 spare).
+pub fn bench_capacity(opts: &BenchOptions) -> Option<usize> {
+    let (first, total) = bench_positions(opts);
+    first.checked_add(total)?.checked_add(1)
 }
 
 impl Default for BenchOptions {
@@ -612,6 +732,8 @@ impl Default for BenchOptions {
             first_token: 9707,
             stream_bytes: 4 << 30,
             stream_reps: 10,
+            context: 0,
+            flags: 0,
         }
     }
 }
@@ -641,8 +763,13 @@ pub struct BenchReport {
     pub registers: u32,
     pub warmup: usize,
     pub steps: usize,
-    /// Positions decoded, 0..context.
+    /// `bench --context N` when given, else the last position decoded + 1.
     pub context: usize,
+    /// First timed position.
+    pub first_timed_pos: usize,
+    /// Mean KV-cache bytes one timed step reads and writes (included in
+    /// `bytes_per_step`).
+    pub kv_bytes: u64,
 }
 
 /// Median (upper median for even lengths); sorts `v`. NaN for empty input.
@@ -671,11 +798,18 @@ pub fn bench_bytes_per_step(
     warmup: usize,
     steps: usize,
 ) -> u64 {
-    let kv_row = 2 * config.kv_dim() as u64 * config.num_hidden_layers as u64 * 2; // K and V, bf16
-    let kv_total: u64 = (warmup..warmup + steps)
-        .map(|p| kv_row * (p as u64 + 1) + kv_row)
-        .sum();
-    weight_bytes_per_step + kv_total / steps.max(1) as u64
+    weight_bytes_per_step + bench_kv_bytes(config, warmup, steps)
+}
+
+/// Mean KV-cache bytes one step at positions `first..first + steps` reads
+/// (K and V rows 0..=pos, every layer, bf16) and writes (row pos); the
+/// integer mean (floor) of the exact sum, computed in u128.
+pub fn bench_kv_bytes(config: &Config, first: usize, steps: usize) -> u64 {
+    let kv_row = 2 * config.kv_dim() as u128 * config.num_hidden_layers as u128 * 2; // K and V, bf16
+    let (a, n) = (first as u128, steps as u128);
+    // sum over p in a..a+n of (p + 2) = n (a + 2) + n (n - 1) / 2
+    let rows = n * (a + 2) + n * n.saturating_sub(1) / 2;
+    u64::try_from(kv_row * rows / n.max(1)).unwrap_or(u64::MAX)
 }
 
 impl BenchReport {
@@ -692,8 +826,10 @@ impl BenchReport {
         launch: &LaunchInfo,
     ) -> BenchReport {
         let us_med = median(&mut us);
-        let bytes_per_step =
-            bench_bytes_per_step(config, weight_bytes_per_step, opts.warmup, opts.steps);
+        let (first, total) = bench_positions(opts);
+        let first_timed = first + opts.warmup;
+        let kv_bytes = bench_kv_bytes(config, first_timed, opts.steps);
+        let bytes_per_step = weight_bytes_per_step.saturating_add(kv_bytes);
         let gbps = bytes_per_step as f64 / (us_med * 1e-6) / 1e9;
         BenchReport {
             device,
@@ -712,7 +848,13 @@ impl BenchReport {
             registers: launch.registers,
             warmup: opts.warmup,
             steps: opts.steps,
-            context: opts.warmup + opts.steps,
+            context: if opts.context > 0 {
+                opts.context
+            } else {
+                first + total
+            },
+            first_timed_pos: first_timed,
+            kv_bytes,
         }
     }
 }
@@ -758,6 +900,34 @@ pub struct PrefillReport {
     pub smem_bytes: u32,
     /// Grid barriers per launch, as the kernel counted them.
     pub barriers_per_launch: u32,
+}
+
+/// What a cubin is, for an error when the driver refuses it: the SM
+/// architecture recorded in its ELF header (`e_flags`: the low byte for
+/// CUDA ELF ABI version 7, bits 8..16 from version 8 on) and the file it came
+/// from, if any.
+pub fn describe_cubin(bytes: &[u8], file: Option<&std::path::Path>) -> String {
+    // ELF64: EI_ABIVERSION at byte 8, e_flags at byte 48.
+    let arch = match (bytes.get(..4), bytes.get(8), bytes.get(48..52)) {
+        (Some(b"\x7fELF"), Some(&abi), Some(f)) => {
+            let flags = u32::from_le_bytes([f[0], f[1], f[2], f[3]]);
+            let sm = if abi >= 8 {
+                (flags >> 8) & 0xff
+            } else {
+                flags & 0xff
+            };
+            if (30..=200).contains(&sm) {
+                format!("sm_{sm}")
+            } else {
+                format!("an unknown arch (ELF ABI {abi}, e_flags {flags:#x})")
+            }
+        }
+        _ => "an unknown arch (not an ELF cubin)".to_string(),
+    };
+    match file {
+        Some(p) => format!("{arch} (cubin file {})", p.display()),
+        None => arch,
+    }
 }
 
 /// CUDA driver errors after which the context cannot be used again.
@@ -886,6 +1056,70 @@ mod tests {
     }
 
     #[test]
+    fn attn_split_scratch() {
+        let c05 = Config::preset("0.5b").unwrap();
+        let c7 = Config::preset("7b").unwrap();
+        let c14 = Config::preset("14b").unwrap();
+        // One item per CTA, capped at ATTN_MAX_SPLITS, at least 1.
+        assert_eq!(attn_max_splits(&c05, 132), 64); // 132 / 2 = 66 -> 64
+        assert_eq!(attn_max_splits(&c7, 132), 33); // 132 / 4
+        assert_eq!(attn_max_splits(&c14, 132), 16); // 132 / 8
+        assert_eq!(attn_max_splits(&c14, 4), 1);
+        // 7B: tickets 28 x 4 = 112 words; 28 heads x 33 blocks x (128 + 2) f32.
+        assert_eq!(
+            attn_part_bytes(&c7, 132).unwrap(),
+            (112 + 28 * 33 * 130) * 4
+        );
+        // 0.5B: 24 x 2 = 48 words; 14 x 64 x 66.
+        assert_eq!(attn_part_bytes(&c05, 132).unwrap(), (48 + 14 * 64 * 66) * 4);
+        let plan = MemoryPlan::new(&c7, 4096, 132).unwrap();
+        assert!(plan
+            .buffers
+            .contains(&(Buffer::AttnPart, (112 + 28 * 33 * 130) * 4)));
+        let mut p: KernelParams = bytemuck::Zeroable::zeroed();
+        set_buffer(&mut p, Buffer::AttnPart, 0xabc0);
+        assert_eq!(p.attn_part, 0xabc0);
+        assert_eq!(Buffer::AttnPart.name(), "attn_part");
+    }
+
+    #[test]
+    fn bench_kv_bytes_and_positions() {
+        let c7 = Config::preset("7b").unwrap();
+        // K and V rows of every layer: 2 x 512 x 28 x 2 B = 57,344 B.
+        let row = 2 * 512 * 28 * 2u64;
+        // One step at position p reads p + 1 rows and writes one.
+        assert_eq!(bench_kv_bytes(&c7, 0, 1), 2 * row);
+        assert_eq!(bench_kv_bytes(&c7, 10, 1), 12 * row);
+        // Mean over positions 8191..8191+200: rows p + 2.
+        let brute: u64 = (8191..8191 + 200u64).map(|p| (p + 2) * row).sum::<u64>() / 200;
+        assert_eq!(bench_kv_bytes(&c7, 8191, 200), brute);
+        // 32k: about 1.9 GB per step.
+        let kv32 = bench_kv_bytes(&c7, 32_768, 200);
+        assert!(kv32 > 1_870_000_000 && kv32 < 1_890_000_000, "{kv32}");
+        // The old helper is weights + the same KV mean.
+        assert_eq!(
+            bench_bytes_per_step(&c7, 1000, 16, 128),
+            1000 + bench_kv_bytes(&c7, 16, 128)
+        );
+        // Positions: the timed steps start at max(context, warmup).
+        let o = BenchOptions {
+            warmup: 16,
+            steps: 200,
+            context: 8192,
+            ..BenchOptions::default()
+        };
+        assert_eq!(bench_positions(&o), (8176, 216));
+        assert_eq!(bench_capacity(&o), Some(8192 + 200 + 1));
+        let short = BenchOptions {
+            warmup: 16,
+            steps: 200,
+            ..BenchOptions::default()
+        };
+        assert_eq!(bench_positions(&short), (0, 216));
+        assert_eq!(bench_capacity(&short), Some(217));
+    }
+
+    #[test]
     fn prefill_flop_model() {
         let c = Config::preset("7b").unwrap();
         // ~2 x 7.07e9 non-embedding params... per token, plus attention.
@@ -982,5 +1216,28 @@ mod tests {
         assert!(median(&mut []).is_nan());
         assert_eq!(cuda_error_name(700).0, "CUDA_ERROR_ILLEGAL_ADDRESS");
         assert!(is_sticky(700) && !is_sticky(2));
+    }
+
+    #[test]
+    fn describe_cubin_reads_the_elf_arch() {
+        // ELF64 headers as NVRTC 12.9 writes them (ABI 7: e_flags 0x500550
+        // for sm_80), and the ABI 8 layout (SM in bits 8..16).
+        let header = |abi: u8, flags: u32| {
+            let mut h = vec![0u8; 64];
+            h[..4].copy_from_slice(b"\x7fELF");
+            h[8] = abi;
+            h[48..52].copy_from_slice(&flags.to_le_bytes());
+            h
+        };
+        assert_eq!(describe_cubin(&header(7, 0x500550), None), "sm_80");
+        assert_eq!(describe_cubin(&header(7, 0x5a055a), None), "sm_90");
+        assert_eq!(describe_cubin(&header(8, 0x5a00), None), "sm_90");
+        let f = std::path::Path::new("/tmp/x.cubin");
+        assert_eq!(
+            describe_cubin(&header(7, 0x500550), Some(f)),
+            "sm_80 (cubin file /tmp/x.cubin)"
+        );
+        assert!(describe_cubin(b"PTX", Some(f)).contains("not an ELF cubin"));
+        assert!(describe_cubin(&header(7, 0), None).contains("unknown arch"));
     }
 }

@@ -27,6 +27,32 @@ pub const FLAG_DEBUG_HANG: u32 = 2;
 /// `ld.acquire` one (NOTES.md, v1.2).
 pub const FLAG_BARRIER_FENCED: u32 = 4;
 
+/// [`KernelParams::flags`], tests only: thread 0 of CTA 0 reads the word
+/// just past the logits buffer (caught by compute-sanitizer memcheck with
+/// `--padding`), then a weight chunk base + 2^40 bytes (no mapping there:
+/// CUDA_ERROR_ILLEGAL_ADDRESS, a sticky error).
+pub const FLAG_DEBUG_OOB: u32 = 8;
+
+/// [`KernelParams::flags`], measurement (issue 8): warp-major row map in
+/// the weight phases (`r = warp * grid + cta` instead of `cta * warps +
+/// warp`), so a phase's tail round is spread over every SM. Bit-identical
+/// results either way.
+pub const FLAG_WARP_MAJOR: u32 = 16;
+
+/// [`KernelParams::flags`], A/B: the v1 attention (one CTA per query head
+/// over the whole sequence) instead of the sequence split across CTAs
+/// (flash-decoding, partials combined in o_proj's prologue).
+pub const FLAG_ATTN_NO_SPLIT: u32 = 32;
+
+/// [`KernelParams::flags`], A/B: the split attention at every context
+/// length (by default it runs from [`ATTN_SPLIT_MIN_CONTEXT`] cached
+/// positions on, the v1 path below). `FLAG_ATTN_NO_SPLIT` wins over it.
+pub const FLAG_ATTN_FORCE_SPLIT: u32 = 64;
+
+/// Cached positions (`pos + 1`) from which the split attention is the
+/// default (`qmk::kAttnSplitMinContext`).
+pub const ATTN_SPLIT_MIN_CONTEXT: u32 = 512;
+
 /// [`KernelParams::flags`], profiling: `(mask << SKIP_SHIFT)` skips phases
 /// (bit 0 qkv, 1 attention, 2 o_proj, 3 gate/up, 4 down, 5 lm_head) and keeps
 /// every barrier. The results of such a step are meaningless.
@@ -74,7 +100,12 @@ pub struct KernelParams {
     pub flags: u32,
     pub rms_norm_eps: f32,
     pub reserved: u32,
+    /// Split-attention scratch (see [`crate::host::attn_part_bytes`]).
+    pub attn_part: u64,
 }
+
+/// Most sequence blocks per kv head of the split attention (`qmk::kAttnMaxSplits`).
+pub const ATTN_MAX_SPLITS: u32 = 64;
 
 /// Prefill parameters (`qmk::PrefillParams`, entry `qmk_prefill_chunk`):
 /// one launch processes positions `start..start + n_tokens` of a prompt.
@@ -239,7 +270,7 @@ pub fn params_check_header() -> String {
         "static_assert(QMK_MAX_CHUNKS == {MAX_CHUNKS}, \"QMK_MAX_CHUNKS differs from Rust MAX_CHUNKS\");\n"
     ));
     out.push_str(&format!(
-        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagBarrierFenced == {FLAG_BARRIER_FENCED}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n"
+        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagBarrierFenced == {FLAG_BARRIER_FENCED}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagWarpMajor == {FLAG_WARP_MAJOR}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n"
     ));
     out.push_str(&format!(
         "static_assert(qmk::kErrBarrierTimeout == {}u && qmk::kErrAborted == {}u && qmk::kErrBadToken == {}u && qmk::kErrBadPos == {}u, \"error codes differ\");\n",
@@ -287,6 +318,7 @@ pub fn params_check_header() -> String {
             flags,
             rms_norm_eps,
             reserved,
+            attn_part,
         ]
     );
     // `base` is at offset 0; its size is asserted through `tokens`' offset.
@@ -401,7 +433,7 @@ mod tests {
     fn sizes_are_what_the_cuda_twin_expects() {
         assert_eq!(
             size_of::<KernelParams>(),
-            15 * MAX_CHUNKS * 8 + 15 * 8 + 6 * 4
+            15 * MAX_CHUNKS * 8 + 16 * 8 + 6 * 4
         );
         assert_eq!(size_of::<SyncState>(), 32);
         assert_eq!(size_of::<HostStatus>(), 32);

@@ -1,27 +1,36 @@
 #!/usr/bin/env bash
 # Issue 9 on the GPU machine: the tensor-core prefill kernel
-# (qmk_prefill_chunk) on both backends vs the CPU reference, then time to
-# first token.
+# (qmk_prefill_chunk) on both backends vs the CPU reference, time to first
+# token, and the step-by-step vs batched threshold table.
 #
 #   Here (Rust, no GPU):  bash scripts/gpu/prefill.sh build
 #       -> .carry/prefill/{qwen-mk,prefill-tests} (stripped, git-ignored)
-#   GPU machine:          bash scripts/gpu/prefill.sh [tests|sanitize|bench|all]
-#       with carry: [".carry/prefill"]; logs under $OUT.
+#   GPU machine:          bash scripts/gpu/prefill.sh [run|all|tests|sanitize|bench]
+#       with carry: [".carry/prefill"]; logs under $LOGDIR/prefill/
+#       (LOGDIR defaults to $PWD/gpu-out).
 #
-# Knobs (environment):
-#   QMK_PREFILL_CHUNK  positions per launch in the tests (default 256: 512 and
-#                      3000 take several chunks)
-#   TEST_FILTER        substring filter for the tests (default: all but the
-#                      7B 3000-token case, whose CPU reference is the slow part;
-#                      FULL=1 adds it)
-#   CHUNKS             chunk sizes the bench sweeps (default "256 512 1024")
-#   PRESETS / LENS     bench presets (default "0.5b 7b") and prompt lengths
-#                      (default "512 2048")
-#   T_TESTS / T_BENCH  time limits, seconds (default 420 / 240)
-#   SANITIZE=1         `all` also runs compute-sanitizer memcheck on the small
-#                      case (mode `sanitize` runs only that; T_SAN, default 300)
+# `run` (= `all`): everything below in priority order under one wall-time
+# budget (BUDGET seconds, default 145); a step that no longer fits is
+# skipped and says so. Every command runs under `timeout`; a failure never
+# stops the script. The summary (PASS / FAIL / SKIP per check, TTFT table,
+# threshold table) is printed last, under 40 lines.
+#   1. tests, 0.5B: errors + continuation, prompts 1 / 17 / 512, both backends
+#   2. bench 0.5B: 512 (chunk 512), 2048 (chunks 512, 2048)
+#   3. tests, 7B: prompts 512 and 17, both backends; threshold table (cudarc)
+#   4. bench 7B: 512 (chunk 512), 2048 (chunks 2048, 512)
+#   5. threshold table 0.5B (both backends)
+#   6. tests, 0.5B prompt 3000 (both backends)
+#   7. if time is left: 7B prompt 1 (both), bench 0.5B 512 chunk 256
+# The 7B 3000-token case is not in `run`: its CPU reference prefill is ~40
+# TFLOP (~3-4 min on the 16 cores there). `tests` with FULL=1 runs it.
+#
+# Other modes: `tests` (every test but c_7b_prompt_3000 unless FULL=1;
+# TEST_FILTER overrides), `bench` (PRESETS x LENS x CHUNKS), `sanitize`
+# (compute-sanitizer memcheck on the small case).
+# Knobs: QMK_PREFILL_CHUNK (test chunk, default 256), BUDGET, T_TESTS,
+# T_BENCH, T_SAN.
 set -uo pipefail
-MODE=${1:-all}
+MODE=${1:-run}
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 CARRY=${CARRY:-$ROOT/.carry/prefill}
 
@@ -47,14 +56,76 @@ for l in sys.stdin:
   exit 0
 fi
 
-OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+LOGDIR=${LOGDIR:-$PWD/gpu-out}
+LOG="$LOGDIR/prefill"; mkdir -p "$LOG"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export QMK_CACHE_DIR=${QMK_CACHE_DIR:-/tmp/qmk-cubins} RUST_BACKTRACE=1
+BUDGET=${BUDGET:-145}
+T0=$SECONDS
 summary=()
-echo "== $(date -u +%FT%TZ) prefill.sh mode=$MODE"
-nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/nvidia-smi-prefill.txt"
+left() { echo $(( BUDGET - (SECONDS - T0) )); }
+echo "== $(date -u +%FT%TZ) prefill.sh mode=$MODE budget=${BUDGET}s"
+timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --format=csv 2>&1 \
+  | tee "$LOG/nvidia-smi.txt"
+[[ -x $CARRY/prefill-tests && -x $CARRY/qwen-mk ]] || echo "MISSING binaries in $CARRY (run 'build' here and carry .carry/prefill)"
 
-if [[ $MODE == tests || $MODE == all ]]; then
+# tests NAME NEED LIMIT [test-binary args...]: one test process, logged to
+# $LOG/NAME.log. PASS needs rc 0, "test result: ok", no SKIPPED line (on the
+# GPU machine a skip means no device: a failure here).
+tests() {
+  local name=$1 need=$2 lim=$3; shift 3
+  local l; l=$(left)
+  if (( l < need )); then summary+=("SKIP tests $name (budget: ${l}s left, needs ~${need}s)"); return; fi
+  (( lim > l )) && lim=$l
+  local t=$SECONDS
+  timeout -k 5 "$lim" "$CARRY/prefill-tests" --test-threads=1 --nocapture "$@" > "$LOG/$name.log" 2>&1
+  local rc=$? verdict=FAIL
+  if [[ $rc == 0 ]] && grep -q "^test result: ok" "$LOG/$name.log" && ! grep -q "^SKIPPED\|SKIPPED " "$LOG/$name.log"; then
+    verdict=PASS
+  fi
+  (( rc == 124 || rc == 137 )) && verdict="FAIL (timeout ${lim}s)"
+  local ran; ran=$(grep -oE "[0-9]+ passed; [0-9]+ failed" "$LOG/$name.log" | tail -1)
+  grep -q "SKIPPED " "$LOG/$name.log" && ran="$ran, $(grep -c "SKIPPED " "$LOG/$name.log") SKIPPED"
+  summary+=("$verdict tests $name: rc=$rc, ${ran:-no result}, $(( SECONDS - t ))s (log prefill/$name.log)")
+  while read -r x; do summary+=("    ${x:0:160}"); done < <(grep -E "panicked|^test .*FAILED" "$LOG/$name.log" | head -3)
+}
+
+# bench PRESET N CHUNK NEED LIMIT: qwen-mk bench --prefill, JSON appended
+# to $LOG/bench.jsonl.
+bench() {
+  local preset=$1 n=$2 c=$3 need=$4 lim=$5
+  local l; l=$(left)
+  if (( l < need )); then summary+=("SKIP bench $preset n=$n chunk=$c (budget: ${l}s left)"); return; fi
+  (( lim > l )) && lim=$l
+  echo "-- bench --preset $preset --prefill $n --prefill-chunk $c" >> "$LOG/bench.log"
+  timeout -k 5 "$lim" "$CARRY/qwen-mk" bench --preset "$preset" --backend cudarc \
+    --prefill "$n" --prefill-chunk "$c" --json > "$LOG/.bench.out" 2>> "$LOG/bench.log"
+  local rc=$?
+  cat "$LOG/.bench.out" >> "$LOG/bench.log"
+  grep ttft_ms "$LOG/.bench.out" >> "$LOG/bench.jsonl"
+  # Successes show in the TTFT table below.
+  if [[ $rc != 0 ]] || ! grep -q ttft_ms "$LOG/.bench.out"; then
+    summary+=("FAIL bench $preset n=$n chunk=$c rc=$rc (log prefill/bench.log)")
+  fi
+}
+
+if [[ $MODE == run || $MODE == all ]]; then
+  : > "$LOG/bench.jsonl"; : > "$LOG/bench.log"
+  tests t1-0.5b 20 60 a_errors_and_continuation b_0_5b_prompt_1:: b_0_5b_prompt_17 b_0_5b_prompt_512
+  bench 0.5b 512 512 6 30
+  bench 0.5b 2048 512 6 30
+  bench 0.5b 2048 2048 6 30
+  tests t2-7b 45 90 c_7b_prompt_512 c_7b_prompt_17 c_7b_threshold::cudarc
+  bench 7b 512 512 12 40
+  bench 7b 2048 2048 12 40
+  bench 7b 2048 512 12 40
+  tests t3-threshold-0.5b 8 30 b_0_5b_threshold
+  tests t4-0.5b-3000 22 60 b_0_5b_prompt_3000
+  tests t5-7b-1 18 45 c_7b_prompt_1::
+  bench 0.5b 512 256 6 30
+fi
+
+if [[ $MODE == tests ]]; then
   if [[ -n ${TEST_FILTER:-} ]]; then
     filt=("$TEST_FILTER")
   elif [[ ${FULL:-0} == 1 ]]; then
@@ -62,48 +133,54 @@ if [[ $MODE == tests || $MODE == all ]]; then
   else
     filt=(--skip c_7b_prompt_3000)
   fi
-  # Errors + a decode/prefill continuation first (small, 0.5B), then every
-  # prompt length, 0.5B then 7B (the weights and CPU references are shared
-  # by the two backends' instances of each test).
-  timeout ${T_TESTS:-420} "$CARRY/prefill-tests" --test-threads=1 --nocapture "${filt[@]}" 2>&1 \
-    | tee "$OUT/prefill-tests.log"
-  summary+=("prefill-tests rc=${PIPESTATUS[0]}")
+  BUDGET=100000
+  tests all 0 "${T_TESTS:-900}" "${filt[@]}"
 fi
 
-if [[ $MODE == sanitize || ( $MODE == all && ${SANITIZE:-0} == 1 ) ]]; then
+if [[ $MODE == sanitize ]]; then
   # memcheck on the small case (0.5B, 3 decode steps + 40 prompt positions
   # in chunks of 16): out-of-bounds fragment loads show up here first.
   if [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
     timeout ${T_SAN:-300} /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
-      "$CARRY/prefill-tests" --test-threads=1 --nocapture --exact a_errors_and_continuation::cudarc 2>&1 \
-      | tee "$OUT/prefill-memcheck.log" | tail -15
-    summary+=("memcheck rc=${PIPESTATUS[0]}")
+      "$CARRY/prefill-tests" --test-threads=1 --nocapture --exact a_errors_and_continuation::cudarc \
+      > "$LOG/memcheck.log" 2>&1
+    rc=$?
+    summary+=("$([[ $rc == 0 ]] && echo PASS || echo FAIL) memcheck rc=$rc: $(grep -h 'ERROR SUMMARY' "$LOG/memcheck.log" | tail -1)")
   else
-    summary+=("memcheck skipped: no compute-sanitizer")
+    summary+=("SKIP memcheck: no compute-sanitizer")
   fi
 fi
 
-if [[ $MODE == bench || $MODE == all ]]; then
-  : > "$OUT/prefill-bench.jsonl"
+if [[ $MODE == bench ]]; then
+  : > "$LOG/bench.jsonl"; : > "$LOG/bench.log"
+  BUDGET=100000
   for preset in ${PRESETS:-0.5b 7b}; do
     for n in ${LENS:-512 2048}; do
-      for c in ${CHUNKS:-256 512 1024}; do
+      for c in ${CHUNKS:-256 512 1024 2048}; do
         (( c > n )) && continue
-        echo "-- bench --preset $preset --prefill $n --prefill-chunk $c"
-        timeout ${T_BENCH:-240} "$CARRY/qwen-mk" bench --preset "$preset" --backend cudarc \
-          --prefill "$n" --prefill-chunk "$c" --json 2>&1 | tee -a "$OUT/prefill-bench.jsonl"
-        summary+=("bench $preset n=$n chunk=$c rc=${PIPESTATUS[0]}")
+        bench "$preset" "$n" "$c" 0 "${T_BENCH:-240}"
       done
     done
   done
 fi
 
-echo "== summary"
+echo "== summary (prefill, $(( SECONDS - T0 ))s)"
 printf '%s\n' "${summary[@]}"
-grep -hE "^test |test result|SKIPPED|rel err|panicked" "$OUT"/prefill-tests.log 2>/dev/null | tail -40
-grep -h ttft_ms "$OUT"/prefill-bench.jsonl 2>/dev/null | python3 -c '
+# Correctness numbers, one line per test that got that far.
+grep -hoE "^(0\.5b|7b) (cudarc|cust) prefill of [0-9]+ tokens vs CPU reference: logits rel err [^;]*" \
+  "$LOG"/t*.log "$LOG"/all.log 2>/dev/null | sed -E 's/ vs CPU reference: logits rel err/: logits/; s/ greedy ids equal/ ids eq/' | head -14
+# Threshold table, one line per (preset, backend): tokens steps/batched ms.
+grep -hE "^threshold .*: +[0-9]+ \|" "$LOG"/t*.log "$LOG"/all.log 2>/dev/null | awk '
+  { k = $2 " " $3; if (!(k in row)) order[n++] = k; row[k] = row[k] sprintf(" %s:%s/%s", $4, $6, $8) }
+  END { for (i = 0; i < n; i++) print "threshold " order[i] " tokens:steps/batched ms" row[order[i]] }'
+grep -hE "^threshold .*first faster" "$LOG"/t*.log "$LOG"/all.log 2>/dev/null | head -4
+python3 - "$LOG/bench.jsonl" <<'EOF' 2>/dev/null || true
 import sys, json
-for l in sys.stdin:
+tgt = {("0.5b", 512): 6.2, ("0.5b", 2048): 23.0, ("7b", 512): 19.7, ("7b", 2048): 56.4}
+for l in open(sys.argv[1]):
     try: v = json.loads(l)
     except Exception: continue
-    print("%5s n=%5d chunk=%5d: TTFT %.2f ms (%.1f TFLOP/s), %s regs, grid %s" % (v["preset"], v["prefill_tokens"], v["chunk"], v["ttft_ms"], v["tflops"], v["registers"], v["grid"]))' || true
+    t = tgt.get((v["preset"], v["prefill_tokens"]))
+    mark = "" if t is None else ("  < target %.1f" % t if v["ttft_ms"] < t else "  >= target %.1f" % t)
+    print("TTFT %4s n=%4d chunk=%4d: %7.2f ms (%5.1f TFLOP/s)%s" % (v["preset"], v["prefill_tokens"], v["chunk"], v["ttft_ms"], v["tflops"], mark))
+EOF

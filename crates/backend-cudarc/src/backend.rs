@@ -15,7 +15,7 @@ use qmk_kernels::host::{
     set_prefill_buffer, tie_embeddings, weight_chunks, Buffer, GpuOptions, LaunchInfo, MemoryPlan,
     Progress, ABORT_GRACE, MAX_KV_LAYER_BYTES, UPLOAD_PIECE_BYTES,
 };
-use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG};
+use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG, FLAG_DEBUG_OOB};
 use qmk_kernels::{
     source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, KernelsError, PrefillParams,
     Resources, THREADS_PER_CTA,
@@ -152,7 +152,7 @@ impl CudarcBackend {
         let module = unsafe { result::module::load_data(cubin.bytes.as_ptr().cast()) }.map_err(
             |source| match source.0 as i32 {
                 200 | 209 | 218 | 222 => Error::CubinArch {
-                    cubin: cubin.arch.to_string(),
+                    cubin: qmk_kernels::host::describe_cubin(&cubin.bytes, opts.cubin.as_deref()),
                     device: format!("{} ({})", info.name, info.arch),
                     source,
                 },
@@ -461,11 +461,90 @@ impl CudarcBackend {
     /// barrier (one CTA never arrives), to exercise the bounded waits.
     #[doc(hidden)]
     pub fn set_debug_hang(&mut self, on: bool) {
-        self.debug_flags = if on { FLAG_DEBUG_HANG } else { 0 };
+        self.debug_flags = if on {
+            self.debug_flags | FLAG_DEBUG_HANG
+        } else {
+            self.debug_flags & !FLAG_DEBUG_HANG
+        };
+    }
+    /// A/B and test hook: sets (`on`) or clears the kernel flag bits `mask`
+    /// (`qmk_kernels::params::FLAG_*`, e.g. `FLAG_ATTN_NO_SPLIT`,
+    /// `FLAG_WARP_MAJOR`) for every following step.
+    #[doc(hidden)]
+    pub fn set_kernel_flags(&mut self, mask: u32, on: bool) {
+        self.debug_flags = if on {
+            self.debug_flags | mask
+        } else {
+            self.debug_flags & !mask
+        };
+    }
+    /// Test hook: `true` makes the next steps read out of bounds (one word
+    /// past the logits buffer, then an address with no mapping), a real
+    /// CUDA_ERROR_ILLEGAL_ADDRESS: the engine must become unusable.
+    #[doc(hidden)]
+    pub fn set_debug_oob(&mut self, on: bool) {
+        self.debug_flags = if on {
+            self.debug_flags | FLAG_DEBUG_OOB
+        } else {
+            self.debug_flags & !FLAG_DEBUG_OOB
+        };
+    }
+    /// `n` decode steps back to back from position `start` (the kernel feeds
+    /// its own pick to the next step on the device, no host round trip);
+    /// returns the device time between events around the batch. The twin of
+    /// the cust backend's `timed_steps` (endurance tests).
+    pub fn timed_steps(&mut self, first_token: u32, start: usize, n: usize) -> Result<Duration> {
+        self.usable()?;
+        let end = start
+            .checked_add(n)
+            .filter(|&e| e <= self.capacity && start <= self.next_pos);
+        if n == 0 || end.is_none() {
+            return Err(Error::Option {
+                field: "steps",
+                reason: format!(
+                    "{n} steps from position {start} must be >= 1, start at or before {} and fit the {}-position KV cache",
+                    self.next_pos, self.capacity
+                ),
+            });
+        }
+        let (a, b) = (self.new_event()?, self.new_event()?);
+        let run = (|| -> Result<Duration> {
+            self.record(a)?;
+            for pos in start..start + n {
+                let flags = if pos == start {
+                    0
+                } else {
+                    qmk_kernels::FLAG_TOKEN_FROM_ARGMAX
+                };
+                self.launch_step(first_token, pos, flags)?;
+            }
+            self.record(b)?;
+            let deadline = self
+                .opts
+                .step_deadline
+                .saturating_mul(u32::try_from(n).unwrap_or(u32::MAX));
+            self.wait(b, deadline)?;
+            self.next_pos = start + n;
+            // SAFETY: both events recorded and complete.
+            let ms = unsafe { result::event::elapsed(a, b) }
+                .map_err(|e| self.fail("cuEventElapsedTime", e))?;
+            Ok(Duration::from_secs_f64(f64::from(ms) * 1e-3))
+        })();
+        for ev in [a, b] {
+            // SAFETY: live events, no longer used.
+            let _ = unsafe { result::event::destroy(ev) };
+        }
+        run
     }
     /// Changes the host deadline of one step.
     pub fn set_step_deadline(&mut self, t: Duration) {
         self.opts.step_deadline = t;
+    }
+    /// Changes the shortest prompt that `Backend::prefill` sends to the
+    /// prefill kernel (`GpuOptions::prefill_min_tokens`; tests and the
+    /// threshold measurement time both paths on one backend).
+    pub fn set_prefill_min_tokens(&mut self, n: usize) {
+        self.opts.prefill_min_tokens = n;
     }
     /// The prefill kernel's launch shape and chunk size, when enabled
     /// (`GpuOptions::prefill_chunk`).
@@ -559,10 +638,12 @@ impl CudarcBackend {
     }
 
     pub(crate) fn usable(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        // A dead engine is refused before any driver call (binding a
+        // context that holds a sticky error could report a new error).
         if let Some(r) = &self.dead {
             return Err(Error::Unusable { reason: r.clone() });
         }
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         if let Some(r) = &self.needs_reset {
             return Err(Error::NeedsReset(r.clone()));
         }
@@ -771,8 +852,9 @@ impl Backend for CudarcBackend {
         })
     }
 
-    /// With `GpuOptions::prefill_chunk` set: the tensor-core prefill kernel,
-    /// one launch per chunk. Otherwise one decode step per prompt token,
+    /// With `GpuOptions::prefill_chunk` set and at least
+    /// `GpuOptions::prefill_min_tokens` tokens: the tensor-core prefill
+    /// kernel, one launch per chunk. Otherwise one decode step per prompt token,
     /// launched back to back, one wait at the end (no host round trip
     /// between positions). A kernel
     /// error in any step is the first one reported: later steps see the
@@ -803,7 +885,7 @@ impl Backend for CudarcBackend {
             }
         }
         let n = tokens.len();
-        if self.prefill.is_some() {
+        if self.prefill.is_some() && n >= self.opts.prefill_min_tokens {
             self.prefill_chunked(tokens, start)?;
             self.next_pos = start + n;
             return Ok(StepOutput {
@@ -841,10 +923,10 @@ impl Backend for CudarcBackend {
     }
 
     fn reset(&mut self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         if let Some(r) = &self.dead {
             return Err(Error::Unusable { reason: r.clone() });
         }
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         self.clear_kernel_state()?;
         self.needs_reset = None;
         self.next_pos = 0;

@@ -10,9 +10,9 @@ use std::time::Duration;
 use cudarc::driver::{result, sys};
 use qmk_engine::Backend;
 use qmk_kernels::host::{
-    median, percentile, prefill_chunks, prefill_flops, BenchOptions, BenchReport, PrefillReport,
+    bench_positions, median, percentile, prefill_chunks, prefill_flops, BenchOptions, BenchReport,
+    PrefillReport, KV_FILL_BF16,
 };
-use qmk_kernels::params::{FLAG_BARRIER_FENCED, SKIP_SHIFT};
 use qmk_kernels::{StreamParams, FLAG_TOKEN_FROM_ARGMAX, THREADS_PER_CTA};
 
 use crate::backend::CudarcBackend;
@@ -101,39 +101,61 @@ impl CudarcBackend {
         Ok(bytes as f64 / (ms * 1e-3) / 1e9)
     }
 
-    /// Per-step times (us) of the timed steps of one back-to-back run.
-    /// `greedy`: the kernel feeds its own pick forward; else the token is
-    /// fixed (profiling variants compute garbage, whose argmax may be no
-    /// token at all).
+    /// Fills both KV caches with [`KV_FILL_BF16`] (the long-context bench:
+    /// positions below its first step hold these synthetic values).
+    pub fn fill_kv_cache(&mut self) -> Result<()> {
+        self.usable()?;
+        let n = (self.memory.kv_cache_bytes / 2) as usize;
+        for cache in [self.params.k_cache, self.params.v_cache] {
+            // SAFETY: each cache holds kv_cache_bytes; no step is running.
+            // Synchronise: the legacy-stream memset is not ordered before
+            // our non-blocking stream.
+            unsafe { sys::cuMemsetD16_v2(cache, KV_FILL_BF16, n) }
+                .result()
+                .and_then(|_| result::ctx::synchronize())
+                .map_err(|e| self.fail("cuMemsetD16 (KV cache)", e))?;
+        }
+        Ok(())
+    }
+
+    /// Per-step times (us) of the timed steps of one back-to-back run at
+    /// the positions of [`bench_positions`] (KV filled first when they do
+    /// not start at 0). `greedy`: the kernel feeds its own pick forward;
+    /// else the token is fixed (profiling variants compute garbage, whose
+    /// argmax may be no token at all).
     fn time_steps(
         &mut self,
         opts: &BenchOptions,
         extra_flags: u32,
         greedy: bool,
     ) -> Result<Vec<f64>> {
-        let total = opts.warmup + opts.steps;
-        if opts.steps == 0 || total > self.capacity {
+        let (first, total) = bench_positions(opts);
+        if opts.steps == 0 || first + total > self.capacity {
             return Err(Error::Option {
                 field: "steps",
                 reason: format!(
-                    "{} warm-up + {} timed steps must be >= 1 and fit the {}-position KV cache",
+                    "{} warm-up + {} timed steps from position {first} must be >= 1 and fit the \
+                     {}-position KV cache",
                     opts.warmup, opts.steps, self.capacity
                 ),
             });
         }
         self.reset()?;
+        if first > 0 {
+            self.fill_kv_cache()?;
+        }
         let evs = (0..=total)
             .map(|_| self.new_event())
             .collect::<Result<Vec<_>>>()?;
         let run = (|| -> Result<Vec<f64>> {
             self.record(evs[0])?;
-            for pos in 0..total {
-                let mut flags = extra_flags;
-                if greedy && pos > 0 {
+            for i in 0..total {
+                let mut flags = extra_flags | opts.flags;
+                if greedy && i > 0 {
                     flags |= FLAG_TOKEN_FROM_ARGMAX;
                 }
-                self.launch_step(opts.first_token, pos, flags)?;
-                self.record(evs[pos + 1])?;
+                self.launch_step(opts.first_token, first + i, flags)?;
+                self.record(evs[i + 1])?;
             }
             let deadline = self.opts.step_deadline.saturating_mul(total as u32);
             self.wait(evs[total], deadline)?;
@@ -152,23 +174,11 @@ impl CudarcBackend {
 
     /// Where the time goes: the median step time of the full kernel, of
     /// the barriers alone, and with each phase skipped (every barrier kept),
-    /// plus the v1.1 fenced barrier for A/B. Resets the engine after.
+    /// plus the A/B variants of [`qmk_kernels::host::PROFILE_VARIANTS`], all
+    /// at the same positions. Resets the engine after.
     pub fn bench_profile(&mut self, opts: &BenchOptions) -> Result<Vec<(String, f64)>> {
-        let all = 63 << SKIP_SHIFT;
-        let variants: [(&str, u32); 10] = [
-            ("full", 0),
-            ("barriers only", all),
-            ("skip qkv_proj", 1 << SKIP_SHIFT),
-            ("skip attention", 2 << SKIP_SHIFT),
-            ("skip o_proj", 4 << SKIP_SHIFT),
-            ("skip mlp gate/up", 8 << SKIP_SHIFT),
-            ("skip mlp down", 16 << SKIP_SHIFT),
-            ("skip lm_head", 32 << SKIP_SHIFT),
-            ("full, fenced barrier", FLAG_BARRIER_FENCED),
-            ("barriers only, fenced", all | FLAG_BARRIER_FENCED),
-        ];
         let mut out = Vec::new();
-        for (name, flags) in variants {
+        for &(name, flags) in qmk_kernels::host::PROFILE_VARIANTS {
             let mut t = self.time_steps(opts, flags, false)?;
             out.push((name.to_string(), median(&mut t)));
         }

@@ -54,6 +54,10 @@ fn argmax(v: &[f32]) -> u32 {
 fn backend(w: &Weights, capacity: usize) -> CudarcBackend {
     let opts = Options {
         capacity,
+        // Step-by-step prefill: the tests below compare it bit for bit with
+        // single steps (the tensor-core prefill is tested in
+        // crates/backend-cust/tests/prefill.rs).
+        prefill_chunk: None,
         ..Options::default()
     };
     let b = CudarcBackend::new(w, opts, &mut ()).unwrap_or_else(|e| panic!("backend: {e}"));

@@ -24,7 +24,7 @@ use qmk_kernels::host::{
     set_prefill_buffer, tie_embeddings, weight_chunks, Buffer, GpuOptions, LaunchInfo, MemoryPlan,
     Progress, ABORT_GRACE, UPLOAD_PIECE_BYTES,
 };
-use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG};
+use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG, FLAG_DEBUG_OOB};
 use qmk_kernels::{
     source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, PrefillParams, Resources,
 };
@@ -176,7 +176,7 @@ impl CustBackend {
         let module =
             Module::from_cubin(&cubin.bytes, &[]).map_err(|e| match CudaCode::from_cust(e) {
                 code @ CudaCode(200 | 209 | 218 | 222) => Error::CubinArch {
-                    cubin: cubin.arch.to_string(),
+                    cubin: qmk_kernels::host::describe_cubin(&cubin.bytes, opts.cubin.as_deref()),
                     device: device_name.clone(),
                     code,
                 },
@@ -438,11 +438,43 @@ impl CustBackend {
     /// barrier (one CTA never arrives), to exercise the bounded waits.
     #[doc(hidden)]
     pub fn set_debug_hang(&mut self, on: bool) {
-        self.debug_flags = if on { FLAG_DEBUG_HANG } else { 0 };
+        self.debug_flags = if on {
+            self.debug_flags | FLAG_DEBUG_HANG
+        } else {
+            self.debug_flags & !FLAG_DEBUG_HANG
+        };
+    }
+    /// A/B and test hook: sets (`on`) or clears the kernel flag bits `mask`
+    /// (`qmk_kernels::params::FLAG_*`, e.g. `FLAG_ATTN_NO_SPLIT`,
+    /// `FLAG_WARP_MAJOR`) for every following step.
+    #[doc(hidden)]
+    pub fn set_kernel_flags(&mut self, mask: u32, on: bool) {
+        self.debug_flags = if on {
+            self.debug_flags | mask
+        } else {
+            self.debug_flags & !mask
+        };
+    }
+    /// Test hook: `true` makes the next steps read out of bounds (one word
+    /// past the logits buffer, then an address with no mapping), a real
+    /// CUDA_ERROR_ILLEGAL_ADDRESS: the engine must become unusable.
+    #[doc(hidden)]
+    pub fn set_debug_oob(&mut self, on: bool) {
+        self.debug_flags = if on {
+            self.debug_flags | FLAG_DEBUG_OOB
+        } else {
+            self.debug_flags & !FLAG_DEBUG_OOB
+        };
     }
     /// Changes the host deadline of one step.
     pub fn set_step_deadline(&mut self, t: Duration) {
         self.opts.step_deadline = t;
+    }
+    /// Changes the shortest prompt that `Backend::prefill` sends to the
+    /// prefill kernel (`GpuOptions::prefill_min_tokens`; tests and the
+    /// threshold measurement time both paths on one backend).
+    pub fn set_prefill_min_tokens(&mut self, n: usize) {
+        self.opts.prefill_min_tokens = n;
     }
 
     /// The prefill kernel's launch shape and chunk size, when enabled
@@ -528,10 +560,12 @@ impl CustBackend {
     }
 
     pub(crate) fn usable(&self) -> Result<()> {
-        self.bind()?;
+        // A dead engine is refused before any driver call (binding a
+        // context that holds a sticky error could report a new error).
         if let Some(r) = &self.dead {
             return Err(Error::Unusable { reason: r.clone() });
         }
+        self.bind()?;
         if let Some(r) = &self.needs_reset {
             return Err(Error::NeedsReset(r.clone()));
         }
@@ -737,11 +771,14 @@ impl Backend for CustBackend {
         })
     }
 
-    /// With `GpuOptions::prefill_chunk` set: the tensor-core prefill kernel,
-    /// one launch per chunk (inputs checked first, as a step would).
+    /// With `GpuOptions::prefill_chunk` set and at least
+    /// `GpuOptions::prefill_min_tokens` tokens: the tensor-core prefill
+    /// kernel, one launch per chunk (inputs checked first, as a step would).
     /// Otherwise one decode step per prompt token (the trait's default).
     fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<StepOutput> {
-        if self.prefill.is_none() {
+        // An empty prompt goes on to the kernel path's typed error.
+        let short = !tokens.is_empty() && tokens.len() < self.opts.prefill_min_tokens;
+        if self.prefill.is_none() || short {
             let mut out = StepOutput { argmax: 0 };
             for (i, &t) in tokens.iter().enumerate() {
                 out = self.step(t, start + i)?;
@@ -791,10 +828,10 @@ impl Backend for CustBackend {
     }
 
     fn reset(&mut self) -> Result<()> {
-        self.bind()?;
         if let Some(r) = &self.dead {
             return Err(Error::Unusable { reason: r.clone() });
         }
+        self.bind()?;
         self.clear_kernel_state()?;
         self.needs_reset = None;
         self.next_pos = 0;

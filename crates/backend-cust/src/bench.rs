@@ -8,7 +8,7 @@ use cust::context::CurrentContext;
 use cust::event::Event;
 use cust::memory::mem_get_info;
 use qmk_engine::Backend as _;
-use qmk_kernels::host::{median, BenchOptions, BenchReport};
+use qmk_kernels::host::{bench_positions, median, BenchOptions, BenchReport, KV_FILL_BF16};
 use qmk_kernels::{StreamParams, FLAG_TOKEN_FROM_ARGMAX};
 
 use crate::backend::{occupancy, CustBackend};
@@ -199,28 +199,60 @@ impl CustBackend {
         Ok(bytes as f64 / (us * 1e-6) / 1e9)
     }
 
-    /// Greedy decode of `warmup + steps` positions back to back, timed per
-    /// step with events, then the floor. Resets the engine before and after.
-    pub fn bench(&mut self, opts: &BenchOptions) -> Result<BenchReport> {
-        let total = opts.warmup + opts.steps;
-        if opts.steps == 0 || total > self.capacity {
+    /// Fills both KV caches with [`KV_FILL_BF16`] (the long-context bench:
+    /// positions below its first step hold these synthetic values).
+    pub fn fill_kv_cache(&mut self) -> Result<()> {
+        self.usable()?;
+        let n = (self.memory.kv_cache_bytes / 2) as usize;
+        for cache in [self.params.k_cache, self.params.v_cache] {
+            // SAFETY: each cache holds kv_cache_bytes; no step is running.
+            // Synchronise: the legacy-stream memset is not ordered before
+            // our non-blocking stream.
+            check("cuMemsetD16", unsafe {
+                cust::sys::cuMemsetD16_v2(cache, KV_FILL_BF16, n)
+            })
+            .and_then(|()| CurrentContext::synchronize().map_err(cu("cuCtxSynchronize")))
+            .map_err(|e| self.note(e))?;
+        }
+        Ok(())
+    }
+
+    /// Per-step times (us) of the timed steps of one back-to-back run at
+    /// the positions of [`bench_positions`] (KV filled first when they do
+    /// not start at 0). `greedy`: the kernel feeds its own pick forward;
+    /// else the token is fixed (profiling variants compute garbage).
+    fn time_steps(
+        &mut self,
+        opts: &BenchOptions,
+        extra_flags: u32,
+        greedy: bool,
+    ) -> Result<Vec<f64>> {
+        let (first, total) = bench_positions(opts);
+        if opts.steps == 0 || first + total > self.capacity {
             return Err(Error::Option {
                 field: "steps",
                 reason: format!(
-                    "{} warm-up + {} timed steps must be >= 1 and fit the {}-position KV cache",
+                    "{} warm-up + {} timed steps from position {first} must be >= 1 and fit the \
+                     {}-position KV cache",
                     opts.warmup, opts.steps, self.capacity
                 ),
             });
         }
         self.reset()?;
+        if first > 0 {
+            self.fill_kv_cache()?;
+        }
         let evs = (0..=total)
             .map(|_| self.new_event())
             .collect::<Result<Vec<_>>>()?;
         self.record(&evs[0])?;
-        for pos in 0..total {
-            let flags = if pos == 0 { 0 } else { FLAG_TOKEN_FROM_ARGMAX };
-            self.launch_step(opts.first_token, pos, flags)?;
-            self.record(&evs[pos + 1])?;
+        for i in 0..total {
+            let mut flags = extra_flags | opts.flags;
+            if greedy && i > 0 {
+                flags |= FLAG_TOKEN_FROM_ARGMAX;
+            }
+            self.launch_step(opts.first_token, first + i, flags)?;
+            self.record(&evs[i + 1])?;
         }
         let deadline = self.opts.step_deadline.saturating_mul(total as u32);
         self.wait(&evs[total], deadline)?;
@@ -228,6 +260,27 @@ impl CustBackend {
         for i in opts.warmup..total {
             us.push(self.elapsed_us(&evs[i], &evs[i + 1])?);
         }
+        Ok(us)
+    }
+
+    /// Where the time goes: every variant of
+    /// [`qmk_kernels::host::PROFILE_VARIANTS`] (phase skips and A/B flags)
+    /// timed at the same positions, median us/step. Resets the engine after.
+    pub fn bench_profile(&mut self, opts: &BenchOptions) -> Result<Vec<(String, f64)>> {
+        let mut out = Vec::new();
+        for &(name, flags) in qmk_kernels::host::PROFILE_VARIANTS {
+            let mut t = self.time_steps(opts, flags, false)?;
+            out.push((name.to_string(), median(&mut t)));
+        }
+        self.reset()?;
+        Ok(out)
+    }
+
+    /// Greedy decode of `warmup + steps` positions back to back (from
+    /// [`bench_positions`]), timed per step with events, then the floor.
+    /// Resets the engine before and after.
+    pub fn bench(&mut self, opts: &BenchOptions) -> Result<BenchReport> {
+        let us = self.time_steps(opts, 0, true)?;
         let barriers = self.barriers_last_step()?;
         self.reset()?;
         let floor_gbps = self.stream_bandwidth(opts.stream_bytes, opts.stream_reps)?;

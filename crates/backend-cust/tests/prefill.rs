@@ -15,8 +15,15 @@
 //!   3. then 32 greedy decode steps (the decode megakernel) whose ids equal
 //!      the reference's.
 //!
+//! Plus a threshold table per preset (`*_threshold`): host wall time of
+//! step-by-step vs batched prefill at 1, 4, 16, 64 tokens, to set
+//! `DEFAULT_PREFILL_MIN_TOKENS` from; it fails if the two paths' logits
+//! differ by more than the tolerance.
+//!
 //! On the GPU machine, from the prebuilt binary (scripts/gpu/prefill.sh):
-//! `prefill-gpu-tests --test-threads=1 --nocapture [filter]`.
+//! `prefill-tests --test-threads=1 --nocapture [filter]`. `prefill.sh run`
+//! leaves out `c_7b_prompt_3000` (its CPU reference prefill is ~40 TFLOP,
+//! minutes on 16 cores); `FULL=1 prefill.sh tests` runs it.
 
 mod common;
 use common::*;
@@ -48,6 +55,9 @@ trait Pf: Backend + Sized {
     fn open(w: &Weights, capacity: usize, chunk: u32) -> Result<Self, Self::Error>;
     fn describe(&self) -> String;
     fn kv_cache(&mut self) -> Result<(Vec<u16>, Vec<u16>), Self::Error>;
+    /// `GpuOptions::prefill_min_tokens` (1: every prompt through the
+    /// kernel; usize::MAX: one decode step per token).
+    fn set_min_tokens(&mut self, n: usize);
 }
 
 macro_rules! impl_pf {
@@ -58,9 +68,14 @@ macro_rules! impl_pf {
                 let opts = $krate::Options {
                     capacity,
                     prefill_chunk: Some(chunk),
+                    // Every prompt through the kernel, 1 token included.
+                    prefill_min_tokens: 1,
                     ..Default::default()
                 };
                 <$ty>::new(w, opts, &mut ())
+            }
+            fn set_min_tokens(&mut self, n: usize) {
+                self.set_prefill_min_tokens(n);
             }
             fn describe(&self) -> String {
                 let l = self.launch_info();
@@ -274,6 +289,70 @@ fn prefill_errors_and_continuation<B: Pf>() {
     println!("{test}: 3 decode steps + 40-token prefill (chunks of 16): rel err {e:.3e}");
 }
 
+/// Time to first token of the two prefill paths at short prompts (1, 4,
+/// 16, 64 tokens): one decode step per token (launched back to back on
+/// cudarc; one step() each on cust) vs the tensor-core kernel (one chunk).
+/// Prints a table to set `DEFAULT_PREFILL_MIN_TOKENS` from; fails if the
+/// two paths' last logits differ by more than the tolerance.
+fn prefill_threshold_table<B: Pf>(preset: &str) {
+    let test = format!("{preset} {} prefill threshold", B::NAME);
+    let Some(_g) = gpu_or_skip(&test) else { return };
+    let w = weights(preset);
+    const LENS: [usize; 4] = [1, 4, 16, 64];
+    const REPS: usize = 5;
+    let mut gpu = B::open(&w, LENS[3] + 1, qmk_kernels::host::DEFAULT_PREFILL_CHUNK)
+        .unwrap_or_else(|e| panic!("{test}: opening the backend: {e}"));
+    println!("{}", gpu.describe());
+    // Median host wall time of REPS prefills (after one warm-up), and the
+    // last logits.
+    let time = |gpu: &mut B, tokens: &[u32], min_tokens: usize| -> (f64, Vec<f32>) {
+        gpu.set_min_tokens(min_tokens);
+        let mut ms = Vec::with_capacity(REPS);
+        for r in 0..=REPS {
+            gpu.reset().unwrap();
+            let t = Instant::now();
+            gpu.prefill(tokens, 0).unwrap();
+            if r > 0 {
+                ms.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        ms.sort_by(f64::total_cmp);
+        (ms[REPS / 2], gpu.logits().unwrap())
+    };
+    println!(
+        "threshold {preset} {}: tokens | step-by-step ms | batched ms | faster",
+        B::NAME
+    );
+    let mut first_win = None;
+    for n in LENS {
+        let tokens = prompt(n, w.config.vocab_size);
+        let (t_steps, l_steps) = time(&mut gpu, &tokens, usize::MAX);
+        let (t_batch, l_batch) = time(&mut gpu, &tokens, 1);
+        let e = rel_err(&l_batch, &l_steps);
+        let win = if t_batch < t_steps {
+            "batched"
+        } else {
+            "steps"
+        };
+        if t_batch < t_steps && first_win.is_none() {
+            first_win = Some(n);
+        }
+        println!(
+            "threshold {preset} {}: {n:>4} | {t_steps:>8.3} | {t_batch:>8.3} | {win} (logits rel. diff {e:.2e})",
+            B::NAME
+        );
+        assert!(
+            e <= TOL,
+            "{test}: {n} tokens: batched vs step-by-step logits rel. diff {e:.3e} > {TOL}"
+        );
+    }
+    println!(
+        "threshold {preset} {}: batched first faster at {first_win:?} tokens (default prefill_min_tokens = {})",
+        B::NAME,
+        qmk_kernels::host::DEFAULT_PREFILL_MIN_TOKENS
+    );
+}
+
 macro_rules! both {
     ($name:ident, $f:ident $(, $arg:expr)*) => {
         mod $name {
@@ -299,3 +378,5 @@ both!(c_7b_prompt_1, prefill_matches_reference, "7b", 1);
 both!(c_7b_prompt_17, prefill_matches_reference, "7b", 17);
 both!(c_7b_prompt_512, prefill_matches_reference, "7b", 512);
 both!(c_7b_prompt_3000, prefill_matches_reference, "7b", 3000);
+both!(b_0_5b_threshold, prefill_threshold_table, "0.5b");
+both!(c_7b_threshold, prefill_threshold_table, "7b");

@@ -1,10 +1,11 @@
 //! `qwen-mk bench`: decode speed of the megakernel on synthetic weights at a
 //! preset's full shapes, against the bandwidth floor measured in the same
-//! run (DESIGN.md section 4). `--json` prints one JSON object.
+//! run (DESIGN.md section 4). `--json` prints one JSON object per context
+//! (`--context 0,8192,32768` runs each in the same process, one upload).
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use qmk_backend_cudarc::{BenchOptions, CudarcBackend, Options, Progress};
+use qmk_backend_cudarc::{BenchOptions, BenchReport, CudarcBackend, LaunchInfo, Options, Progress};
 use qmk_model::{synthetic_weights, Config};
 
 #[derive(Args, Debug)]
@@ -12,15 +13,24 @@ pub struct BenchArgs {
     /// Model shape: 0.5b, 1.5b, 3b, 7b, 14b, 32b, 72b (synthetic weights).
     #[arg(long, default_value = "7b")]
     preset: String,
-    /// GPU backend (cudarc; cust comes with its issue).
+    /// GPU backend: cudarc, or cust (a build with `--features cust`).
     #[arg(long, default_value = "cudarc")]
     backend: String,
     /// Untimed steps.
     #[arg(long, default_value_t = 16)]
     warmup: usize,
     /// Timed steps (median reported).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 200)]
     steps: usize,
+    /// KV length(s) the timed steps run at, comma-separated (0: positions
+    /// from 0, the short-context bench). Positions below the run hold
+    /// synthetic KV values; the floor counts the KV bytes read.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    context: Vec<usize>,
+    /// Extra kernel flag bits for every timed step (A/B: 16 warp-major
+    /// rows, 32 attention without the sequence split).
+    #[arg(long, default_value_t = 0)]
+    kernel_flags: u32,
     /// Size of the streaming-read buffer for the floor, GiB.
     #[arg(long, default_value_t = 4)]
     stream_gib: u64,
@@ -40,9 +50,12 @@ pub struct BenchArgs {
     #[arg(long)]
     json: bool,
     /// Also time the kernel with each phase skipped and with barriers only
-    /// (where the time goes).
+    /// (where the time goes), and the A/B flag variants.
     #[arg(long)]
     profile: bool,
+    /// Timed steps of each profile variant (median reported).
+    #[arg(long, default_value_t = 64)]
+    profile_steps: usize,
     /// Time to first token instead of decode speed: prefill of N synthetic
     /// prompt tokens with the tensor-core prefill kernel (issue 9).
     #[arg(long, value_name = "N")]
@@ -90,9 +103,73 @@ impl Progress for Bar {
     }
 }
 
+/// KV capacity a bench of these contexts needs (the largest).
+fn bench_capacity(a: &BenchArgs) -> Result<usize> {
+    let mut cap = 0usize;
+    for &c in &a.context {
+        let o = bench_options(a, c, 0);
+        let need = qmk_kernels::host::bench_capacity(&o)
+            .with_context(|| format!("--context {c} overflows"))?;
+        cap = cap.max(need);
+    }
+    Ok(cap.max(1))
+}
+
+fn bench_options(a: &BenchArgs, context: usize, stream_bytes: u64) -> BenchOptions {
+    BenchOptions {
+        warmup: a.warmup,
+        steps: a.steps,
+        stream_bytes,
+        context,
+        flags: a.kernel_flags,
+        ..BenchOptions::default()
+    }
+}
+
+/// What `run` needs of a backend (both bindings have these inherent
+/// methods, same semantics).
+trait Bench {
+    fn bench(&mut self, o: &BenchOptions) -> Result<BenchReport>;
+    fn profile(&mut self, o: &BenchOptions) -> Result<Vec<(String, f64)>>;
+    fn launch(&self) -> LaunchInfo;
+}
+
+impl Bench for CudarcBackend {
+    fn bench(&mut self, o: &BenchOptions) -> Result<BenchReport> {
+        Ok(CudarcBackend::bench(self, o)?)
+    }
+    fn profile(&mut self, o: &BenchOptions) -> Result<Vec<(String, f64)>> {
+        Ok(self.bench_profile(o)?)
+    }
+    fn launch(&self) -> LaunchInfo {
+        self.launch_info()
+    }
+}
+
+#[cfg(feature = "cust")]
+impl Bench for qmk_backend_cust::CustBackend {
+    fn bench(&mut self, o: &BenchOptions) -> Result<BenchReport> {
+        Ok(qmk_backend_cust::CustBackend::bench(self, o)?)
+    }
+    fn profile(&mut self, o: &BenchOptions) -> Result<Vec<(String, f64)>> {
+        Ok(self.bench_profile(o)?)
+    }
+    fn launch(&self) -> LaunchInfo {
+        self.launch_info()
+    }
+}
+
 pub fn run(a: BenchArgs) -> Result<()> {
-    if a.backend != "cudarc" {
-        bail!("bench supports --backend cudarc (got `{}`)", a.backend);
+    let cust = match a.backend.as_str() {
+        "cudarc" => false,
+        "cust" if cfg!(feature = "cust") => true,
+        "cust" => bail!(
+            "this qwen-mk was built without the cust backend (rebuild with `--features cust`)"
+        ),
+        other => bail!("bench supports --backend cudarc or cust (got `{other}`)"),
+    };
+    if a.prefill.is_some() && cust {
+        bail!("bench --prefill supports --backend cudarc");
     }
     let config = Config::preset(&a.preset)?;
     let say = |s: String| {
@@ -102,7 +179,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     };
     let capacity = match a.prefill {
         Some(n) => n.max(1) + 1,
-        None => a.warmup + a.steps + 1,
+        None => bench_capacity(&a)?,
     };
     // Before generating 100+ GB of weights: refuse what cannot fit.
     let gpu = crate::gpu::probe()?;
@@ -131,82 +208,117 @@ pub fn run(a: BenchArgs) -> Result<()> {
         );
         Some(b)
     };
+    #[cfg(feature = "cust")]
+    if cust {
+        let mut backend = qmk_backend_cust::CustBackend::new(&weights, opts, &mut Bar(bar))
+            .with_context(|| format!("setting up the cust backend for {}", a.preset))?;
+        drop(weights);
+        return decode(&a, &mut backend);
+    }
     let mut backend = CudarcBackend::new(&weights, opts, &mut Bar(bar))
         .with_context(|| format!("setting up the cudarc backend for {}", a.preset))?;
     drop(weights);
     if let Some(n) = a.prefill {
         return prefill(&a, &mut backend, n);
     }
-    let r = backend.bench(&BenchOptions {
-        warmup: a.warmup,
-        steps: a.steps,
-        stream_bytes: a.stream_gib << 30,
-        ..BenchOptions::default()
-    })?;
-    let l = backend.launch_info();
-    let profile = if a.profile {
-        backend.bench_profile(&BenchOptions {
-            warmup: a.warmup,
-            steps: a.steps,
-            ..BenchOptions::default()
-        })?
-    } else {
-        Vec::new()
-    };
-    if a.json {
-        let v = serde_json::json!({
-            "preset": a.preset,
-            "backend": a.backend,
-            "device": r.device,
-            "tok_per_s": r.tok_per_s,
-            "us_per_step": r.us_per_step,
-            "us_p10": r.us_p10,
-            "us_p90": r.us_p90,
-            "gbps": r.gbps,
-            "floor_gbps": r.floor_gbps,
-            "pct_of_floor": r.pct_of_floor,
-            "floor_tok_per_s": r.floor_tok_per_s,
-            "bytes_per_step": r.bytes_per_step,
-            "barriers_per_step": r.barriers_per_step,
-            "grid": r.grid,
-            "ctas_per_sm": r.ctas_per_sm,
-            "registers": r.registers,
-            "smem_bytes": l.smem_bytes,
-            "warmup": r.warmup,
-            "steps": r.steps,
-            "context": r.context,
-            "profile_us": profile.iter().map(|(k, v)| (k.clone(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
-        });
-        println!("{v}");
-    } else {
-        println!(
-            "{} on {} (cudarc), synthetic weights, positions 0..{}",
-            a.preset, r.device, r.context
-        );
-        println!("  tok/s          {:>10.1}", r.tok_per_s);
-        println!(
-            "  us/step        {:>10.1}  (p10 {:.1}, p90 {:.1}, median of {})",
-            r.us_per_step, r.us_p10, r.us_p90, r.steps
-        );
-        println!("  bytes/step     {:>10}", r.bytes_per_step);
-        println!("  achieved GB/s  {:>10.1}", r.gbps);
-        println!(
-            "  floor GB/s     {:>10.1}  (streaming read, same cubin, same run)",
-            r.floor_gbps
-        );
-        println!(
-            "  % of floor     {:>10.1}  (floor {:.0} tok/s)",
-            r.pct_of_floor, r.floor_tok_per_s
-        );
-        for (name, us) in &profile {
-            println!("  profile: {name:<24} {us:>10.1} us/step");
-        }
-        println!(
-            "  barriers/step  {:>10}  grid {} x {} threads, {} regs, {} B smem",
-            r.barriers_per_step, r.grid, l.block, r.registers, l.smem_bytes
-        );
+    decode(&a, &mut backend)
+}
+
+/// The decode bench (and `--profile`) at every `--context`.
+fn decode<B: Bench>(a: &BenchArgs, backend: &mut B) -> Result<()> {
+    for &context in &a.context {
+        let r = backend
+            .bench(&bench_options(a, context, a.stream_gib << 30))
+            .with_context(|| format!("bench --preset {} --context {context}", a.preset))?;
+        let l = backend.launch();
+        let profile = if a.profile {
+            let mut o = bench_options(a, context, 0);
+            o.steps = a.profile_steps.clamp(1, a.steps.max(1));
+            backend.profile(&o)?
+        } else {
+            Vec::new()
+        };
+        print_report(a, &r, &l, &profile);
     }
     Ok(())
+}
+
+/// The JSON object of one decode bench.
+fn report_json(
+    a: &BenchArgs,
+    r: &BenchReport,
+    l: &LaunchInfo,
+    profile: &[(String, f64)],
+) -> serde_json::Value {
+    serde_json::json!({
+        "preset": a.preset,
+        "backend": a.backend,
+        "device": r.device,
+        "tok_per_s": r.tok_per_s,
+        "us_per_step": r.us_per_step,
+        "us_p10": r.us_p10,
+        "us_p90": r.us_p90,
+        "gbps": r.gbps,
+        "floor_gbps": r.floor_gbps,
+        "pct_of_floor": r.pct_of_floor,
+        "floor_tok_per_s": r.floor_tok_per_s,
+        "bytes_per_step": r.bytes_per_step,
+        "kv_bytes": r.kv_bytes,
+        "context": r.context,
+        "first_timed_pos": r.first_timed_pos,
+        "kernel_flags": a.kernel_flags,
+        "barriers_per_step": r.barriers_per_step,
+        "grid": r.grid,
+        "ctas_per_sm": r.ctas_per_sm,
+        "registers": r.registers,
+        "smem_bytes": l.smem_bytes,
+        "warmup": r.warmup,
+        "steps": r.steps,
+        "profile_steps": if profile.is_empty() { 0 } else { a.profile_steps.clamp(1, a.steps.max(1)) },
+        "profile_us": profile.iter().map(|(k, v)| (k.clone(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
+    })
+}
+
+fn print_report(a: &BenchArgs, r: &BenchReport, l: &LaunchInfo, profile: &[(String, f64)]) {
+    if a.json {
+        println!("{}", report_json(a, r, l, profile));
+        return;
+    }
+    println!(
+        "{} on {} ({}), synthetic weights, context {} (timed positions {}..{}), flags {}",
+        a.preset,
+        r.device,
+        a.backend,
+        r.context,
+        r.first_timed_pos,
+        r.first_timed_pos + r.steps,
+        a.kernel_flags
+    );
+    println!("  tok/s          {:>10.1}", r.tok_per_s);
+    println!(
+        "  us/step        {:>10.1}  (p10 {:.1}, p90 {:.1}, median of {})",
+        r.us_per_step, r.us_p10, r.us_p90, r.steps
+    );
+    println!(
+        "  bytes/step     {:>10}  (of which KV {})",
+        r.bytes_per_step, r.kv_bytes
+    );
+    println!("  achieved GB/s  {:>10.1}", r.gbps);
+    println!(
+        "  floor GB/s     {:>10.1}  (streaming read, same cubin, same run)",
+        r.floor_gbps
+    );
+    println!(
+        "  % of floor     {:>10.1}  (floor {:.0} tok/s)",
+        r.pct_of_floor, r.floor_tok_per_s
+    );
+    for (name, us) in profile {
+        println!("  profile: {name:<32} {us:>10.1} us/step");
+    }
+    println!(
+        "  barriers/step  {:>10}  grid {} x {} threads, {} regs, {} B smem",
+        r.barriers_per_step, r.grid, l.block, r.registers, l.smem_bytes
+    );
 }
 
 /// `bench --prefill N`: time to first token.
@@ -259,4 +371,71 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        a: BenchArgs,
+    }
+
+    fn parse(args: &[&str]) -> BenchArgs {
+        T::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
+            .unwrap()
+            .a
+    }
+
+    #[test]
+    fn context_list_and_capacity() {
+        let a = parse(&["--preset", "7b", "--context", "8192,32768", "--json"]);
+        assert_eq!(a.context, vec![8192, 32768]);
+        assert_eq!((a.warmup, a.steps), (16, 200));
+        assert!(a.json);
+        // The largest context: warm-up at 32752..32768, timed 32768..32968.
+        assert_eq!(bench_capacity(&a).unwrap(), 32768 + 200 + 1);
+        let o = bench_options(&a, 32768, 1 << 30);
+        assert_eq!(qmk_kernels::host::bench_positions(&o), (32768 - 16, 216));
+        assert_eq!(o.stream_bytes, 1 << 30);
+        // Default: the short-context bench from position 0.
+        let a = parse(&[]);
+        assert_eq!(a.context, vec![0]);
+        assert_eq!(bench_capacity(&a).unwrap(), 217);
+        assert_eq!(a.kernel_flags, 0);
+        let a = parse(&["--kernel-flags", "48", "--context", "0"]);
+        assert_eq!(bench_options(&a, 0, 0).flags, 48);
+        assert!(T::try_parse_from(["bench", "--context", "x"]).is_err());
+    }
+
+    #[test]
+    fn json_has_context_and_kv_bytes() {
+        let a = parse(&["--preset", "0.5b", "--context", "8192"]);
+        let config = Config::preset("0.5b").unwrap();
+        let o = bench_options(&a, 8192, 0);
+        let launch = LaunchInfo::from_occupancy(1, 132, None, 19456, 128).unwrap();
+        let r = BenchReport::from_times(
+            "test".into(),
+            &config,
+            1_000_000,
+            &o,
+            vec![250.0; 200],
+            4500.0,
+            121,
+            &launch,
+        );
+        let kv = qmk_kernels::host::bench_kv_bytes(&config, 8192, 200);
+        assert_eq!(r.kv_bytes, kv);
+        assert_eq!(r.bytes_per_step, 1_000_000 + kv);
+        let v = report_json(&a, &r, &launch, &[("full".into(), 250.0)]);
+        assert_eq!(v["context"], 8192);
+        assert_eq!(v["kv_bytes"], kv);
+        assert_eq!(v["first_timed_pos"], 8192);
+        assert_eq!(v["profile_us"]["full"], 250.0);
+        // 0.5B at 8k: 2 x 128 x 24 x 2 B per position, ~8.2k positions.
+        assert!(kv > 100_000_000 && kv < 102_000_000, "{kv}");
+    }
 }

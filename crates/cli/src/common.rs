@@ -62,6 +62,17 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE")]
     pub cubin: Option<PathBuf>,
 
+    /// GPU backends: prompt positions per launch of the tensor-core prefill
+    /// kernel (clamped to the context).
+    #[arg(long, value_name = "POSITIONS", default_value_t = qmk_kernels::host::DEFAULT_PREFILL_CHUNK,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub prefill_chunk: u32,
+
+    /// GPU backends: feed the prompt one decode step per token instead of
+    /// the tensor-core prefill kernel.
+    #[arg(long)]
+    pub no_batched_prefill: bool,
+
     /// No progress bars, notes or stats on stderr (errors still show).
     #[arg(long, short = 'q')]
     pub quiet: bool,
@@ -348,7 +359,15 @@ pub fn open_backend(
     match target {
         Target::Cpu => cpu_backend(weights, capacity),
         Target::Gpu(kind, info) => {
-            match gpu::open(kind, &info, &weights, capacity, run.cubin.as_deref(), ui) {
+            match gpu::open(
+                kind,
+                &info,
+                &weights,
+                capacity,
+                run.cubin.as_deref(),
+                (!run.no_batched_prefill).then_some(run.prefill_chunk),
+                ui,
+            ) {
                 Ok(b) => {
                     ui.note(format!(
                         "using the {} backend on {}",

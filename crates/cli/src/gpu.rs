@@ -67,13 +67,16 @@ pub fn probe() -> Result<GpuInfo, GpuError> {
 /// `capacity` positions (loading `cubin` instead of compiling when given),
 /// showing kernel compilation (a spinner) and the weight upload (a byte
 /// bar) through `ui`. A request that cannot fit in the device's memory is
-/// refused before anything is allocated.
+/// refused before anything is allocated. `prefill_chunk`: positions per
+/// launch of the tensor-core prefill kernel (`None`: one decode step per
+/// prompt token).
 pub fn open(
     kind: BackendKind,
     gpu: &GpuInfo,
     weights: &Arc<Weights>,
     capacity: usize,
     cubin: Option<&Path>,
+    prefill_chunk: Option<u32>,
     ui: &Ui,
 ) -> Result<AnyBackend, GpuError> {
     let need = weights_bytes(weights) as u128 + kv_bytes(&weights.config, capacity);
@@ -90,6 +93,7 @@ pub fn open(
             let opts = qmk_backend_cudarc::Options {
                 capacity,
                 cubin: cubin.map(Path::to_path_buf),
+                prefill_chunk,
                 ..Default::default()
             };
             let mut bars = Bars::new(ui);
@@ -115,6 +119,7 @@ pub fn open(
             let opts = qmk_backend_cust::Options {
                 capacity,
                 cubin: cubin.map(Path::to_path_buf),
+                prefill_chunk,
                 ..Default::default()
             };
             let mut bars = CustBars(Bars::new(ui));

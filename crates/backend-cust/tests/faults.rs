@@ -1,0 +1,383 @@
+//! Fault tests of both CUDA backends (issue 10, part 4), the sanitizer
+//! target (part 3) and the wrong-arch cubin (part 1's missing row).
+//!
+//! A hang or an illegal address must not take the test process down with
+//! it, so each fault runs in a child process: the parent test re-executes
+//! this test binary (`--exact <child> --nocapture --test-threads=1`) with
+//! `QMK_FAULT_CHILD=<child>` and asserts on the child's exit status and
+//! output. The child tests do nothing unless that variable names them, so a
+//! normal `cargo test` runs only the parents, which skip with a printed
+//! reason where there is no GPU.
+//!
+//! On the GPU machine: `faults-tests --test-threads=1 --nocapture`
+//! (scripts/gpu/harden.sh).
+
+mod common;
+#[macro_use]
+#[path = "common/hooks.rs"]
+mod hooks;
+use common::*;
+use hooks::*;
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use qmk_kernels::host::GpuOptions;
+use qmk_kernels::{Arch, Compiler, KernelBuild};
+use qmk_model::reference::{Reference, ReferenceOptions};
+use qmk_model::{synthetic_weights, Config, Weights};
+
+/// The variable that marks a child process and names the child test.
+const CHILD: &str = "QMK_FAULT_CHILD";
+
+/// A fixed prompt (Qwen2.5 token ids).
+const PROMPT: [u32; 8] = [9707, 11, 1879, 0, 3555, 374, 279, 6722];
+
+/// Where a hung step must have turned into an error: the host deadline
+/// (200 ms) plus the time the kernel takes to see the abort flag (its
+/// spin-waits poll it) and the host's 20 us polling; 2 s is far below
+/// `ABORT_GRACE` (10 s), past which the engine is declared dead instead.
+const HANG_BOUND: Duration = Duration::from_secs(2);
+
+fn is_child(name: &str) -> bool {
+    std::env::var(CHILD).as_deref() == Ok(name)
+}
+
+/// Runs child test `child` of this binary in a subprocess; `None` (after
+/// printing why) without a GPU. Returns (exit code, stdout + stderr).
+fn run_child(test: &str, child: &str) -> Option<(Option<i32>, String)> {
+    let _g = gpu_or_skip(test)?;
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let t = Instant::now();
+    let out = Command::new(&exe)
+        .args(["--exact", child, "--nocapture", "--test-threads=1"])
+        .env(CHILD, child)
+        .output()
+        .unwrap_or_else(|e| panic!("{test}: starting {}: {e}", exe.display()));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!(
+        "{test}: child `{child}` exited with {:?} after {:.1} s; its output:\n{text}\n-- end of child output",
+        out.status.code(),
+        t.elapsed().as_secs_f64()
+    );
+    Some((out.status.code(), text))
+}
+
+/// Child: a CTA that skips its first barrier arrival (FLAG_DEBUG_HANG) is a
+/// typed kernel error within the spin budget, and a typed timeout within
+/// the host deadline when the spin budget is long; reset() recovers.
+fn hang_child<B: Hooks>() {
+    let me = format!("hang_child::{}", B::NAME);
+    if !is_child(&me) {
+        println!(
+            "{me}: runs only as the child of hang_is_bounded::{}",
+            B::NAME
+        );
+        return;
+    }
+    let w = weights("0.5b");
+    let opts = GpuOptions {
+        capacity: 64,
+        ..Default::default()
+    };
+    let mut b = B::open(&w, opts).unwrap_or_else(|e| panic!("{me}: open: {e}"));
+    println!("{}", b.describe());
+    let first = b.step(PROMPT[0], 0).unwrap().argmax;
+    b.reset().unwrap();
+
+    b.set_debug_hang(true);
+    b.set_spin_timeout(Duration::from_millis(20));
+    let t = Instant::now();
+    let e = b.step(PROMPT[0], 0).unwrap_err();
+    let el = t.elapsed();
+    println!("CHILD hang, spin budget 20 ms: error after {el:?}: {e}");
+    assert!(
+        B::is_kernel_error(&e),
+        "{me}: expected a kernel error: {e:?}"
+    );
+    assert!(
+        e.to_string().contains("grid barrier timed out"),
+        "{me}: {e}"
+    );
+    assert!(el < HANG_BOUND, "{me}: the spin budget fired after {el:?}");
+    b.reset().unwrap();
+
+    let deadline = Duration::from_millis(200);
+    b.set_spin_timeout(Duration::from_secs(60));
+    b.set_step_deadline(deadline);
+    let t = Instant::now();
+    let e = b.step(PROMPT[0], 0).unwrap_err();
+    let el = t.elapsed();
+    println!("CHILD hang, host deadline 200 ms: error after {el:?}: {e}");
+    assert!(B::is_timeout(&e), "{me}: expected a timeout: {e:?}");
+    assert!(e.to_string().contains("200 ms"), "{me}: {e}");
+    assert!(
+        el >= deadline && el < deadline + HANG_BOUND,
+        "{me}: the host deadline fired after {el:?} (bound {:?})",
+        deadline + HANG_BOUND
+    );
+
+    b.set_debug_hang(false);
+    b.set_spin_timeout(Duration::from_secs(2));
+    b.set_step_deadline(Duration::from_secs(30));
+    b.reset().unwrap();
+    assert_eq!(b.step(PROMPT[0], 0).unwrap().argmax, first);
+    println!(
+        "CHILD-OK hang {}: spin budget and host deadline both typed errors within {HANG_BOUND:?}; reset recovers",
+        B::NAME
+    );
+}
+
+/// Parent of [`hang_child`].
+fn hang_is_bounded<B: Hooks>() {
+    let test = format!("hang_is_bounded {}", B::NAME);
+    let Some((code, out)) = run_child(&test, &format!("hang_child::{}", B::NAME)) else {
+        return;
+    };
+    assert_eq!(code, Some(0), "{test}: the child failed (output above)");
+    assert!(
+        out.contains(&format!("CHILD-OK hang {}", B::NAME)),
+        "{test}: the child did not run its checks (output above)"
+    );
+}
+
+/// Child: an out-of-bounds read in the kernel (FLAG_DEBUG_OOB) is reported
+/// once as a sticky error naming the CUDA error; every later call is refused
+/// with the same "unusable" report, without a driver call or a panic; the
+/// engine drops cleanly and the process exits 0.
+fn oob_child<B: Hooks>() {
+    let me = format!("oob_child::{}", B::NAME);
+    if !is_child(&me) {
+        println!("{me}: runs only as the child of oob_is_sticky::{}", B::NAME);
+        return;
+    }
+    let w = weights("0.5b");
+    let opts = GpuOptions {
+        capacity: 64,
+        ..Default::default()
+    };
+    let mut b = B::open(&w, opts).unwrap_or_else(|e| panic!("{me}: open: {e}"));
+    println!("{}", b.describe());
+    b.step(PROMPT[0], 0).unwrap();
+
+    b.set_debug_oob(true);
+    let t = Instant::now();
+    let e1 = b.step(PROMPT[1], 1).unwrap_err();
+    println!("CHILD oob, first error after {:?}: {e1}", t.elapsed());
+    let m1 = e1.to_string();
+    assert!(B::is_unusable(&e1), "{me}: expected Unusable: {e1:?}");
+    assert!(
+        m1.contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+        "{me}: the error does not name the CUDA error: {m1}"
+    );
+    assert!(m1.contains("unusable"), "{me}: {m1}");
+
+    // The hook is off again: a refusal now cannot be a new kernel fault.
+    b.set_debug_oob(false);
+    let t = Instant::now();
+    let e2 = b.step(PROMPT[1], 1).unwrap_err();
+    let el = t.elapsed();
+    println!("CHILD oob, next step refused after {el:?}: {e2}");
+    assert!(B::is_unusable(&e2), "{me}: {e2:?}");
+    assert_eq!(
+        e2.to_string(),
+        m1,
+        "{me}: the refusal must repeat the first report, not a new CUDA error"
+    );
+    assert!(
+        el < Duration::from_millis(50),
+        "{me}: the refusal took {el:?} (a driver call or a launch?)"
+    );
+    let e3 = b.logits().unwrap_err();
+    let e4 = b.reset().unwrap_err();
+    for e in [&e3, &e4] {
+        assert!(B::is_unusable(e), "{me}: {e:?}");
+        assert_eq!(e.to_string(), m1, "{me}");
+    }
+    println!("CHILD oob, logits() and reset() refused the same way");
+    drop(b);
+    println!(
+        "CHILD-OK oob {}: sticky error reported once, later calls refused, dropped cleanly",
+        B::NAME
+    );
+}
+
+/// Parent of [`oob_child`]: also checks the process exit and that no panic
+/// happened (in drop or anywhere else).
+fn oob_is_sticky<B: Hooks>() {
+    let test = format!("oob_is_sticky {}", B::NAME);
+    let Some((code, out)) = run_child(&test, &format!("oob_child::{}", B::NAME)) else {
+        return;
+    };
+    assert!(!out.contains("panicked"), "{test}: the child panicked");
+    assert_eq!(
+        code,
+        Some(0),
+        "{test}: the child did not exit cleanly (output above)"
+    );
+    assert!(
+        out.contains(&format!("CHILD-OK oob {}", B::NAME)),
+        "{test}: the child did not run its checks (output above)"
+    );
+}
+
+/// The sanitizer target (scripts/gpu/harden.sh runs it under
+/// compute-sanitizer memcheck, racecheck, synccheck and initcheck): a
+/// 17-token prompt through the tensor-core prefill in chunks of 16 (two
+/// launches), then 3 greedy decode steps, at 0.5B shapes; the ids must be
+/// the CPU reference's. `QMK_TEST_SPIN_S` / `QMK_TEST_DEADLINE_S` raise the
+/// spin budget and host deadline (sanitizers slow kernels 10-100x).
+fn sanitize_target<B: Hooks>() {
+    let test = format!("sanitize_target {}", B::NAME);
+    let Some(_g) = gpu_or_skip(&test) else { return };
+    let w = sanitize_weights(&test);
+    let prompt: Vec<u32> = PROMPT.iter().chain(&PROMPT).chain(&[13]).copied().collect();
+    let steps = 3;
+    let capacity = 32;
+    let opts = GpuOptions {
+        capacity,
+        prefill_chunk: Some(16),
+        // Every prompt through the prefill kernel (the default sends short
+        // ones through decode steps).
+        prefill_min_tokens: 1,
+        spin_timeout: env_secs("QMK_TEST_SPIN_S", Duration::from_secs(2)),
+        step_deadline: env_secs("QMK_TEST_DEADLINE_S", Duration::from_secs(30)),
+        ..Default::default()
+    };
+    let mut b = B::open(&w, opts).unwrap_or_else(|e| panic!("{test}: open: {e}"));
+    println!("{}", b.describe());
+    assert_eq!(
+        b.prefill_chunk(),
+        Some(16),
+        "{test}: the prefill kernel is off"
+    );
+    let t = Instant::now();
+    let mut tok = b.prefill(&prompt, 0).unwrap().argmax;
+    let mut ids = vec![tok];
+    for i in 0..steps {
+        tok = b.step(tok, prompt.len() + i).unwrap().argmax;
+        ids.push(tok);
+    }
+    println!(
+        "{test}: prefill of {} tokens + {steps} steps in {:.2} s, ids {ids:?}",
+        prompt.len(),
+        t.elapsed().as_secs_f64()
+    );
+
+    let mut cpu = Reference::new(w.clone(), ReferenceOptions::new(capacity).kv_bf16(true)).unwrap();
+    let mut logits = Vec::new();
+    for (pos, &t) in prompt.iter().enumerate() {
+        logits = cpu.step(t, pos).unwrap();
+    }
+    let mut want = vec![argmax(&logits)];
+    for i in 0..steps {
+        logits = cpu.step(*want.last().unwrap(), prompt.len() + i).unwrap();
+        want.push(argmax(&logits));
+    }
+    assert_eq!(ids, want, "{test}: ids differ from the CPU reference");
+    println!("{test}: ids equal the CPU reference");
+}
+
+/// 0.5B weights, or with `QMK_SAN_LAYERS=n` 0.5B cut to its first n layers
+/// (every layer runs the same code at the same shapes: the fallback when a
+/// sanitizer is too slow for all 24).
+fn sanitize_weights(test: &str) -> Arc<Weights> {
+    match std::env::var("QMK_SAN_LAYERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        Some(n) if n > 0 => {
+            let mut c = Config::preset("0.5b").unwrap();
+            c.num_hidden_layers = n;
+            println!("{test}: 0.5B shapes, {n} of 24 layers (QMK_SAN_LAYERS)");
+            Arc::new(synthetic_weights(&c, SEED))
+        }
+        _ => weights("0.5b"),
+    }
+}
+
+/// Child, run by harden.sh under memcheck only: the OOB hook must be caught
+/// (proves that the sanitizer run can fail). Its own check is only that the
+/// step fails and the engine is unusable.
+fn sanitize_oob_child<B: Hooks>() {
+    let me = format!("sanitize_oob_child::{}", B::NAME);
+    if !is_child(&me) {
+        println!("{me}: runs only under harden.sh (memcheck)");
+        return;
+    }
+    let Some(_g) = gpu_or_skip(&me) else { return };
+    let w = weights("0.5b");
+    let opts = GpuOptions {
+        capacity: 32,
+        spin_timeout: env_secs("QMK_TEST_SPIN_S", Duration::from_secs(2)),
+        step_deadline: env_secs("QMK_TEST_DEADLINE_S", Duration::from_secs(30)),
+        ..Default::default()
+    };
+    let mut b = B::open(&w, opts).unwrap_or_else(|e| panic!("{me}: open: {e}"));
+    b.step(PROMPT[0], 0).unwrap();
+    b.set_debug_oob(true);
+    let e = b.step(PROMPT[1], 1).unwrap_err();
+    println!("SANITIZE-OOB {}: {e}", B::NAME);
+    assert!(B::is_unusable(&e), "{me}: {e:?}");
+}
+
+/// Part 1's missing row: a cubin built for another architecture (sm_80 on
+/// an sm_90 device, sm_90 on an sm_8x one) is a typed `CubinArch` error
+/// naming both architectures and the file, not a crash. The driver does not
+/// run SASS across major versions (CUDA_ERROR_NO_BINARY_FOR_GPU, 209).
+fn wrong_arch_cubin<B: Hooks>() {
+    let test = format!("wrong_arch_cubin {}", B::NAME);
+    let Some(_g) = gpu_or_skip(&test) else { return };
+    let info = qmk_backend_cust::device_info(0).unwrap();
+    let other = if info.arch.0 / 10 == 8 {
+        Arch(90)
+    } else {
+        Arch(80)
+    };
+    let w = weights("0.5b");
+    let build = KernelBuild::new(&w.config).unwrap();
+    let cubin = Compiler::new()
+        .and_then(|c| c.compile(&build, other))
+        .unwrap_or_else(|e| panic!("{test}: compiling for {other}: {e}"));
+    let path = std::env::temp_dir().join(format!(
+        "qmk-wrong-arch-{other}-{}-{}.cubin",
+        B::NAME,
+        std::process::id()
+    ));
+    cubin.write(&path).unwrap();
+    let opts = GpuOptions {
+        capacity: 16,
+        cubin: Some(path.clone()),
+        ..Default::default()
+    };
+    let r = B::open(&w, opts).map(|_| ());
+    let _ = std::fs::remove_file(&path);
+    let e = r.expect_err("a cubin for another arch must not load");
+    let m = e.to_string();
+    println!(
+        "{test}: {} cubin on {} ({}): {m}",
+        other, info.name, info.arch
+    );
+    assert!(B::is_cubin_arch(&e), "{test}: expected CubinArch: {e:?}");
+    for needle in [
+        other.to_string(),
+        info.arch.to_string(),
+        path.display().to_string(),
+        "CUDA_ERROR_".to_string(),
+    ] {
+        assert!(m.contains(&needle), "{test}: {needle:?} missing in: {m}");
+    }
+}
+
+both!(hang_is_bounded, hang_is_bounded);
+both!(hang_child, hang_child);
+both!(oob_is_sticky, oob_is_sticky);
+both!(oob_child, oob_child);
+both!(sanitize_target, sanitize_target);
+both!(sanitize_oob_child, sanitize_oob_child);
+both!(wrong_arch_cubin, wrong_arch_cubin);
