@@ -43,14 +43,21 @@ __device__ __forceinline__ void warp_dot_rows(const char* const (&rows)[NR],
     for (int r = 0; r < NR; ++r) out[r] = warp_sum(acc[r]);
 }
 
-// First work unit of this warp in a weight phase (units strided by
-// gridDim.x * WARPS). CTA-major by default; warp-major with kFlagWarpMajor,
-// so the last, partial round of a phase is spread over every SM instead of
-// filling whole CTAs while the rest of the grid idles.
-__device__ __forceinline__ u32 first_unit(u32 flags) {
+// The k-th work unit (k = 0, 1, ...) of this warp in a weight phase of
+// `units` units; >= units once the warp is done. Units go in rounds of
+// gridDim.x * WARPS. Full rounds are CTA-major (a CTA's warps stream
+// consecutive rows; faster at 7B, NOTES v1.3); the last, partial round is
+// warp-major, so it is spread over every SM instead of filling whole CTAs
+// while the rest of the grid idles (0.5B's down/o_proj/qkv are one partial
+// round; NOTES v1.3/v1.4). Both maps are bijections of a round, so every
+// unit is done exactly once. kFlagWarpMajor / kFlagCtaMajor: one map for
+// every round (A/B).
+__device__ __forceinline__ u32 unit_at(u32 flags, u32 units, u32 k) {
     const u32 warp = threadIdx.x >> 5;
-    return (flags & kFlagWarpMajor) ? warp * gridDim.x + blockIdx.x
-                                    : blockIdx.x * QMK_WARPS + warp;
+    const u32 nwt = gridDim.x * QMK_WARPS;
+    const bool tail = k >= units / nwt;
+    const bool wm = (flags & kFlagWarpMajor) || (tail && !(flags & kFlagCtaMajor));
+    return k * nwt + (wm ? warp * gridDim.x + blockIdx.x : blockIdx.x * QMK_WARPS + warp);
 }
 
 // Copy n f32 values (global, written earlier in this launch: coherent loads)

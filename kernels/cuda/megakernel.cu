@@ -40,9 +40,7 @@ static_assert(QMK_SMEM_FLOATS >= QMK_HIDDEN && QMK_SMEM_FLOATS >= QMK_Q_DIM &&
               "dynamic shared memory too small for an activation vector");
 static_assert(QMK_SMEM_FLOATS >= 2 * QMK_WARPS + QMK_WARPS * QMK_HEAD_DIM,
               "dynamic shared memory too small for the attention merge");
-static_assert(QMK_SMEM_FLOATS >= qmk::kAttnGroup * QMK_HEAD_DIM + 2 * QMK_WARPS +
-                                      QMK_WARPS * QMK_HEAD_DIM +
-                                      2 * qmk::kAttnGroup * qmk::kAttnMaxSplits + qmk::kAttnGroup,
+static_assert(QMK_SMEM_FLOATS >= qmk::kAttnSplitSmemFloats,
               "dynamic shared memory too small for the split attention");
 static_assert(QMK_THREADS_PER_CTA == QMK_THREADS, "host and kernel disagree on the block size");
 static_assert((unsigned long long)QMK_VOCAB * QMK_HIDDEN * 2ull <= 0xffffffffull + 1ull,

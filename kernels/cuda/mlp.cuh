@@ -16,8 +16,7 @@ __device__ __forceinline__ void mlp_gate_up(const Params& p, u32 layer, float* x
     const LayerView<gate_proj_t> wg(p.gate_proj, layer);
     const LayerView<up_proj_t> wu(p.up_proj, layer);
     float* h = reinterpret_cast<float*>(p.mlp_h);
-    const u32 nwt = gridDim.x * QMK_WARPS;
-    for (u32 r = first_unit(p.flags); r < QMK_INTER; r += nwt) {
+    for (u32 k_ = 0, r; (r = unit_at(p.flags, QMK_INTER, k_)) < QMK_INTER; ++k_) {
         const char* rows[2] = {wg.row(r), wu.row(r)};
         float o[2];
         warp_dot_rows<(int)QMK_HIDDEN, 2>(rows, xs, o);
@@ -30,8 +29,7 @@ __device__ __forceinline__ void mlp_down(const Params& p, u32 layer, float* xs) 
     __syncthreads();
     const LayerView<down_proj_t> w(p.down_proj, layer);
     float* x = reinterpret_cast<float*>(p.x);
-    const u32 nwt = gridDim.x * QMK_WARPS;
-    for (u32 r = first_unit(p.flags); r < QMK_HIDDEN; r += nwt) {
+    for (u32 k_ = 0, r; (r = unit_at(p.flags, QMK_HIDDEN, k_)) < QMK_HIDDEN; ++k_) {
         const char* rows[1] = {w.row(r)};
         float o[1];
         warp_dot_rows<(int)QMK_INTER, 1>(rows, xs, o);

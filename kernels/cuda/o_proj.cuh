@@ -10,8 +10,7 @@ __device__ __forceinline__ void o_proj(const Params& p, u32 layer, u32 token, fl
     __syncthreads();
     const LayerView<o_proj_t> w(p.o_proj, layer);
     float* x = reinterpret_cast<float*>(p.x);
-    const u32 nwt = gridDim.x * QMK_WARPS;
-    for (u32 r = first_unit(p.flags); r < QMK_HIDDEN; r += nwt) {
+    for (u32 k_ = 0, r; (r = unit_at(p.flags, QMK_HIDDEN, k_)) < QMK_HIDDEN; ++k_) {
         const char* rows[1] = {w.row(r)};
         float o[1];
         warp_dot_rows<(int)QMK_Q_DIM, 1>(rows, xs, o);

@@ -53,7 +53,7 @@ struct Params {
     float rms_norm_eps;
     u32 reserved;
     u64 attn_part;        // split attention scratch: tickets [L, KVH] u32 (padded
-                          // to 4 words), m/l [HEADS, S, 2] f32, acc [HEADS, S, D]
+                          // to 4 words), acc [HEADS, S, D] f32, m/l [HEADS, S, 2]
                           // f32, S = min(grid / KVH, kAttnMaxSplits) (>= 1)
 };
 
@@ -77,12 +77,14 @@ constexpr u32 kFlagBarrierFenced = 4u;
 // (memcheck with --padding reports it), then far out of bounds (a weight
 // chunk + 2^40: CUDA_ERROR_ILLEGAL_ADDRESS, sticky).
 constexpr u32 kFlagDebugOob = 8u;
-// Measurement (issue 8, NOTES "v1.3"): the weight phases' warp-to-row map.
-// Default: r = blockIdx.x * WARPS + warp (CTA-major: the tail round of a
-// phase leaves whole SMs idle). With this bit: r = warp * gridDim.x +
-// blockIdx.x (warp-major: the tail round is spread over every SM). Same
-// rows, same arithmetic per row: results are bit-identical either way.
+// The weight phases' warp-to-row map (issue 8, NOTES "v1.3", "v1.4").
+// Default: full rounds CTA-major (r = blockIdx.x * WARPS + warp), the last,
+// partial round warp-major (r = warp * gridDim.x + blockIdx.x): see
+// unit_at() in matvec.cuh. kFlagWarpMajor: every round warp-major;
+// kFlagCtaMajor: every round CTA-major (the v1.2 map). Same rows, same
+// arithmetic per row: results are bit-identical whichever map runs.
 constexpr u32 kFlagWarpMajor = 16u;
+constexpr u32 kFlagCtaMajor = 1u << 17;
 // Attention along the sequence (flash-decoding): work item = (kv head,
 // sequence block), all query heads of the group per item, partials
 // (m, l, acc[D]) in p.attn_part, combined in fixed order in o_proj's

@@ -27,8 +27,7 @@ __device__ __forceinline__ void qkv_proj(const Params& p, u32 layer, u32 token, 
     float* q = reinterpret_cast<float*>(p.q);
 
     const u32 lane = threadIdx.x & 31;
-    const u32 nwt = gridDim.x * QMK_WARPS;
-    for (u32 u = first_unit(p.flags); u < QP + 2 * KP; u += nwt) {
+    for (u32 k_ = 0, u; (u = unit_at(p.flags, QP + 2 * KP, k_)) < QP + 2 * KP; ++k_) {
         const u32 which = u < QP ? 0u : (u < QP + KP ? 1u : 2u);
         const u32 uu = which == 0 ? u : (which == 1 ? u - QP : u - QP - KP);
         const u32 i = uu % HALF;

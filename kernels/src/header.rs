@@ -12,6 +12,9 @@ use crate::source;
 /// Warps per CTA.
 pub const WARPS_PER_CTA: u64 = THREADS_PER_CTA as u64 / 32;
 
+/// Positions per warp tile of the split attention (`qmk::kAttnTile`).
+pub const ATTN_TILE: u64 = 16;
+
 /// Everything that goes into compiling the megakernel for one model.
 #[derive(Debug, Clone)]
 pub struct KernelBuild {
@@ -153,14 +156,12 @@ impl KernelBuild {
             }
         }
 
-        // The split attention (attention.cuh): q of a kv group [G, D], the
-        // warp merge [2 W + W D], the combine's block weights [2 G S_max + G].
+        // The split attention (attention.cuh, kAttnSplitSmemFloats): q of a
+        // kv group [G, D], then the larger of the tile probabilities
+        // [W, ATTN_TILE, 8] and the warp merge [W, G, D + 2].
         let group = heads / kvh.max(1);
-        let attn_split = group * d
-            + 2 * WARPS_PER_CTA
-            + WARPS_PER_CTA * d
-            + 2 * group * u64::from(crate::params::ATTN_MAX_SPLITS)
-            + group;
+        let attn_split =
+            group * d + (WARPS_PER_CTA * ATTN_TILE * 8).max(WARPS_PER_CTA * group * (d + 2));
         let smem_floats = [h, q, i, 2 * WARPS_PER_CTA + WARPS_PER_CTA * d, attn_split]
             .into_iter()
             .max()
@@ -196,6 +197,7 @@ impl KernelBuild {
             ("QMK_BARRIERS_PER_STEP", barriers),
             ("QMK_PREFILL_SMEM_BYTES", pf_smem),
             ("QMK_PREFILL_BARRIERS", pf_barriers),
+            ("QMK_ATTN_TILE", ATTN_TILE),
         ];
         let rendered = qmk_layout::try_render_header(&plan, &consts)?;
         // The constants live in namespace qmk_plan; the kernel uses them

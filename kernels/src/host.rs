@@ -68,17 +68,18 @@ pub struct GpuOptions {
 
 /// Default [`GpuOptions::prefill_chunk`]: positions per prefill launch.
 /// Larger chunks stream the weights fewer times and give the attention
-/// phase more (query block, head) units to spread over the SMs (at 0.5B a
-/// 512-token chunk keeps ~1/5 of the warps busy there); the scratch grows
-/// linearly (7B at 2,048: 174 MB). Provisional until the chunk sweep of
-/// `scripts/gpu/prefill.sh run` (NOTES.md, issue 9).
+/// phase more (query block, head) units to spread over the SMs; the scratch
+/// grows linearly (7B at 2,048: 174 MB). Measured on the H200 (NOTES.md,
+/// prefill v2): a 2,048-token prompt takes 12.8 ms at chunk 2,048 vs 27.6
+/// ms at 512 (0.5B), 133 vs 151 ms (7B).
 pub const DEFAULT_PREFILL_CHUNK: u32 = 2048;
 
 /// Default [`GpuOptions::prefill_min_tokens`]: the shortest prompt that goes
-/// through the prefill kernel. An estimate (one small chunk launch ~ 1-1.5
-/// decode steps at 0.5B and 7B); `scripts/gpu/prefill.sh run` prints the
-/// measured step-by-step vs batched table at 1, 4, 16, 64 tokens to set it.
-pub const DEFAULT_PREFILL_MIN_TOKENS: usize = 2;
+/// through the prefill kernel. Measured on the H200 (NOTES.md, prefill v2):
+/// a launch costs ~3.3 ms at 0.5B and ~16.2 ms at 7B for 1-64 tokens, a
+/// decode step 0.68-0.74 / 3.95 ms per token, so step by step wins up to 4
+/// tokens (2.7 vs 3.3 ms; 15.8 vs 16.4 ms) and the kernel from 5 on.
+pub const DEFAULT_PREFILL_MIN_TOKENS: usize = 5;
 
 impl Default for GpuOptions {
     fn default() -> Self {
@@ -385,9 +386,9 @@ pub fn attn_max_splits(config: &Config, grid: u32) -> u32 {
 }
 
 /// Bytes of the split-attention scratch (`KernelParams::attn_part`):
-/// tickets `[L, KVH]` u32 padded to 4 words, then `[HEADS, S, 2]` f32
-/// (block max, block sum) and `[HEADS, S, D]` f32 (block accumulators),
-/// S = [`attn_max_splits`].
+/// tickets `[L, KVH]` u32 padded to 4 words, then `[HEADS, S, D]` f32
+/// (block accumulators, 16-byte aligned) and `[HEADS, S, 2]` f32 (block
+/// max, block sum), S = [`attn_max_splits`].
 pub fn attn_part_bytes(config: &Config, grid: u32) -> Result<u64> {
     let what = "the split-attention scratch";
     let s = u64::from(attn_max_splits(config, grid));
@@ -684,8 +685,8 @@ pub struct BenchOptions {
 /// `ATTN_SPLIT_MIN_CONTEXT` on), the warp-major row map, combinations.
 pub const PROFILE_VARIANTS: &[(&str, u32)] = {
     use crate::params::{
-        FLAG_ATTN_FORCE_SPLIT as FS, FLAG_ATTN_NO_SPLIT as NS, FLAG_WARP_MAJOR as WM,
-        SKIP_SHIFT as K,
+        FLAG_ATTN_FORCE_SPLIT as FS, FLAG_ATTN_NO_SPLIT as NS, FLAG_CTA_MAJOR as CM,
+        FLAG_WARP_MAJOR as WM, SKIP_SHIFT as K,
     };
     &[
         ("full", 0),
@@ -703,6 +704,9 @@ pub const PROFILE_VARIANTS: &[(&str, u32)] = {
         ("full, warp-major, no split", WM | NS),
         ("skip o_proj, warp-major", WM | 4 << K),
         ("skip mlp down, warp-major", WM | 16 << K),
+        ("full, cta-major (v1.2 map)", CM),
+        ("skip o_proj, cta-major", CM | 4 << K),
+        ("skip mlp down, cta-major", CM | 16 << K),
     ]
 };
 

@@ -34,10 +34,15 @@ pub const FLAG_BARRIER_FENCED: u32 = 4;
 pub const FLAG_DEBUG_OOB: u32 = 8;
 
 /// [`KernelParams::flags`], measurement (issue 8): warp-major row map in
-/// the weight phases (`r = warp * grid + cta` instead of `cta * warps +
-/// warp`), so a phase's tail round is spread over every SM. Bit-identical
-/// results either way.
+/// every round of the weight phases (`r = warp * grid + cta`). By default
+/// only a phase's last, partial round is warp-major (spread over every SM)
+/// and full rounds are CTA-major (`cta * warps + warp`). Bit-identical
+/// results whichever map runs.
 pub const FLAG_WARP_MAJOR: u32 = 16;
+
+/// [`KernelParams::flags`], A/B: CTA-major row map in every round of the
+/// weight phases, the tail round included (the v1.2 map).
+pub const FLAG_CTA_MAJOR: u32 = 1 << 17;
 
 /// [`KernelParams::flags`], A/B: the v1 attention (one CTA per query head
 /// over the whole sequence) instead of the sequence split across CTAs
@@ -270,7 +275,7 @@ pub fn params_check_header() -> String {
         "static_assert(QMK_MAX_CHUNKS == {MAX_CHUNKS}, \"QMK_MAX_CHUNKS differs from Rust MAX_CHUNKS\");\n"
     ));
     out.push_str(&format!(
-        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagBarrierFenced == {FLAG_BARRIER_FENCED}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagWarpMajor == {FLAG_WARP_MAJOR}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n"
+        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagBarrierFenced == {FLAG_BARRIER_FENCED}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagWarpMajor == {FLAG_WARP_MAJOR}u && qmk::kFlagCtaMajor == {FLAG_CTA_MAJOR}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n"
     ));
     out.push_str(&format!(
         "static_assert(qmk::kErrBarrierTimeout == {}u && qmk::kErrAborted == {}u && qmk::kErrBadToken == {}u && qmk::kErrBadPos == {}u, \"error codes differ\");\n",

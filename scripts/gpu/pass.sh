@@ -3,7 +3,7 @@
 # harden), so that a single device call checks and measures everything.
 #
 #   Here (Rust, no GPU):  bash scripts/gpu/pass.sh build   -> .carry/{perf,prefill,harden}
-#   GPU machine:          bash scripts/gpu/pass.sh run [parts...]   (carry: [".carry"])
+#   GPU machine:          bash scripts/gpu/pass.sh run [NAME[:MODE[:BUDGET]]...]   (carry: [".carry"])
 #
 # Each part's own script has a `run` mode with its own time limits; logs go
 # to $LOGDIR/<part>/ and are packed into $OUT/logs.tgz (the device tool
@@ -32,14 +32,23 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export QMK_CACHE_DIR=${QMK_CACHE_DIR:-/tmp/qmk-cubins}
 echo "== pass $(date -u +%FT%TZ) parts: $PARTS"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$LOGDIR/nvidia-smi.txt"
-for p in $PARTS; do
+# A part is NAME[:MODE[:BUDGET]] (mode default `run`; BUDGET seconds is
+# handed to that part's script only).
+names=()
+for spec in $PARTS; do
+  IFS=: read -r p m b <<< "$spec"
+  names+=("$p")
   t0=$(date +%s)
   mkdir -p "$LOGDIR/$p"
-  bash "scripts/gpu/$p.sh" run > "$LOGDIR/$p/stdout.log" 2>&1
-  echo "$p rc=$? wall=$(( $(date +%s) - t0 ))s" | tee -a "$LOGDIR/parts.txt"
+  if [[ -n ${b:-} ]]; then
+    BUDGET=$b bash "scripts/gpu/$p.sh" "${m:-run}" > "$LOGDIR/$p/stdout.log" 2>&1
+  else
+    bash "scripts/gpu/$p.sh" "${m:-run}" > "$LOGDIR/$p/stdout.log" 2>&1
+  fi
+  echo "$spec rc=$? wall=$(( $(date +%s) - t0 ))s" | tee -a "$LOGDIR/parts.txt"
   # The summary is the tail of each part's output.
-  tail -40 "$LOGDIR/$p/stdout.log" > "$OUT/summary-$p.txt"
+  tail -${SUMMARY_LINES:-40} "$LOGDIR/$p/stdout.log" > "$OUT/summary-$p.txt"
   tar czf "$OUT/logs.tgz" -C "$LOGDIR" .
 done
 echo "== summaries"
-for p in $PARTS; do echo "---- $p"; cat "$OUT/summary-$p.txt"; done
+for p in "${names[@]}"; do echo "---- $p"; cat "$OUT/summary-$p.txt"; done

@@ -89,7 +89,8 @@ left() { echo $(( BUDGET - (SECONDS - T0) )); }
 echo "== $(date -u +%FT%TZ) perf.sh mode=$MODE budget=${BUDGET}s"
 timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm,clocks.mem --format=csv 2>&1 \
   | tee "$LOG/nvidia-smi.txt"
-BIN=$LOG/bin; mkdir -p "$BIN"
+# Outside $LOGDIR: the logs are packed and sent back, the binaries need not be.
+BIN=${BIN:-/tmp/qmk-perf-bin}; mkdir -p "$BIN"
 if [[ -f $CARRY/perf-bin.tar.xz ]]; then
   timeout 60 tar -C "$BIN" -xJf "$CARRY/perf-bin.tar.xz" || echo "FAILED to unpack $CARRY/perf-bin.tar.xz"
 else
@@ -151,6 +152,37 @@ hf() {
   summary+=("$([[ $rc == 0 ]] && echo PASS || echo FAIL) hf_side_by_side rc=$rc $(( SECONDS - t ))s (log perf/hf.log)")
 }
 
+# `exp`: the A/B decision run (correctness of the split attention and row
+# maps, then every profile row); `final`: every decode GPU test on both
+# backends, every row of the table on both backends (profile on
+# cudarc), then HF side by side (reads prefill/bench.jsonl too, so run
+# prefill.sh first in the same pass).
+if [[ $MODE == exp ]]; then
+  BUDGET=${BUDGET:-400}
+  tests long-context long-context-tests 30 150
+  : > "$LOG/bench.jsonl"; : > "$LOG/bench.log"
+  bench 0.5b-short 5 45 --preset 0.5b --profile
+  bench 7b-short 12 60 --preset 7b --profile
+  bench 0.5b-long 5 45 --preset 0.5b --context 8192 --profile
+  bench 7b-long 25 90 --preset 7b --context 8192,32768 --profile
+  bench 14b-short 26 90 --preset 14b --profile
+fi
+if [[ $MODE == final ]]; then
+  tests long-context long-context-tests 30 150
+  tests cust-gpu cust-gpu-tests 25 150
+  tests cudarc-gpu gpu-tests 15 150
+  : > "$LOG/bench.jsonl"; : > "$LOG/bench.log"
+  for be in cudarc cust; do
+    prof=(); [[ $be == cudarc ]] && prof=(--profile)
+    bench 0.5b-$be 5 60 --preset 0.5b --backend $be "${prof[@]}"
+    bench 7b-$be 12 90 --preset 7b --backend $be "${prof[@]}"
+    bench 0.5b-long-$be 5 60 --preset 0.5b --backend $be --context 8192 "${prof[@]}"
+    bench 7b-long-$be 25 120 --preset 7b --backend $be --context 8192,32768 "${prof[@]}"
+    bench 14b-$be 26 120 --preset 14b --backend $be "${prof[@]}"
+    bench 32b-$be 45 150 --preset 32b --backend $be
+  done
+  hf
+fi
 if [[ $MODE == run || $MODE == tests ]]; then
   [[ $MODE == tests ]] && BUDGET=100000
   tests long-context long-context-tests 30 120
@@ -203,8 +235,8 @@ for l in open(sys.argv[1]):
         def d(k):
             x = p.get(k)
             return "n/a" if x is None else "%+.1f" % (x - f)
-        print("      profile: full %.1f us; no split %s, split forced %s, warp-major %s, warp-major+no split %s; attention %.1f (default) / %.1f (v1.2); barriers %.1f" % (
-            f, d("full, attention no split (v1.2)"), d("full, split forced"), d("full, warp-major"), d("full, warp-major, no split"),
+        print("      profile: full %.1f us; no split %s, split forced %s, warp-major %s, cta-major (v1.2 map) %s, split v1.3 %s; attention %.1f (default) / %.1f (v1.2); barriers %.1f" % (
+            f, d("full, attention no split (v1.2)"), d("full, split forced"), d("full, warp-major"), d("full, cta-major (v1.2 map)"), d("full, split v1.3"),
             f - p.get("skip attention", f), p.get("full, attention no split (v1.2)", f) - p.get("skip attention, no split", f),
             p.get("barriers only", 0)))
 EOF
