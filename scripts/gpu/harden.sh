@@ -139,7 +139,9 @@ if [[ $MODE == run || $MODE == sanitize ]]; then
     wait
     for r in "${runs[@]}"; do
       set -- $r; name=$1; f=$LOG/$name.log; rc=$(cat "$LOG/$name.rc" 2>/dev/null || echo none)
-      es=$(grep -m1 "ERROR SUMMARY" "$f" 2>/dev/null | sed 's/^========= //')
+      # racecheck ends with "RACECHECK SUMMARY: 0 hazards displayed (0
+      # errors, 0 warnings)" instead of an ERROR SUMMARY line.
+      es=$(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$f" 2>/dev/null | sed 's/^========= //')
       ok=$(grep -c "test result: ok. 1 passed" "$f" 2>/dev/null)
       if [[ $name == san-oob-* ]]; then
         # Expected: rc 99 and an invalid global read reported.
@@ -149,7 +151,7 @@ if [[ $MODE == run || $MODE == sanitize ]]; then
         summary+=("$v $name (must be caught): rc=$rc (want 99), invalid global reads $inv, off-by-one past logits (607744 B) reported: $near; $es")
         grep -E -A2 "Invalid __global__ read" "$f" | head -8 | sed 's/^/   /'
       else
-        v=FAIL; [[ $rc == 0 && $es == "ERROR SUMMARY: 0 errors" && $ok == 1 ]] && ! grep -q SKIPPED "$f" && v=PASS
+        v=FAIL; [[ $rc == 0 && ( $es == "ERROR SUMMARY: 0 errors" || $es == "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" ) && $ok == 1 ]] && ! grep -q SKIPPED "$f" && v=PASS
         grep -q SKIPPED "$f" && ok="0 (SKIPPED)"
         summary+=("$v $name: rc=$rc, ${es:-no ERROR SUMMARY line}, test passed: $ok")
       fi
