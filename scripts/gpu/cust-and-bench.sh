@@ -19,12 +19,7 @@ CARRY=${CARRY:-$ROOT/.carry/cust}
 if [[ $MODE == build ]]; then
   set -e
   cd "$ROOT"
-  eval "$(bash .ci/stub-libcuda.sh)"
-  # find_cuda_helper 0.2 only searches $CUDA_LIBRARY_PATH/lib64.
-  if [[ ! -e "$CUDA_LIBRARY_PATH/lib64" ]]; then
-    mkdir -p /tmp/qmk-cust-stub && ln -sfn "$CUDA_LIBRARY_PATH" /tmp/qmk-cust-stub/lib64
-    export CUDA_LIBRARY_PATH=/tmp/qmk-cust-stub
-  fi
+  source "$ROOT/scripts/gpu/build-env.sh"
   exe() { # cargo args... -> path of the named target's executable
     local name=$1; shift
     cargo "$@" --message-format=json 2>/dev/null | python3 -c '

@@ -34,12 +34,7 @@ CARRY=${CARRY:-$ROOT/.carry/harden}
 if [[ $MODE == build ]]; then
   set -e
   cd "$ROOT"
-  eval "$(bash .ci/stub-libcuda.sh)"
-  # find_cuda_helper 0.2 only searches $CUDA_LIBRARY_PATH/lib64.
-  if [[ ! -e "$CUDA_LIBRARY_PATH/lib64" ]]; then
-    mkdir -p /tmp/qmk-cust-stub && ln -sfn "$CUDA_LIBRARY_PATH" /tmp/qmk-cust-stub/lib64
-    export CUDA_LIBRARY_PATH=/tmp/qmk-cust-stub
-  fi
+  source "$ROOT/scripts/gpu/build-env.sh"
   rm -rf "$CARRY"; mkdir -p "$CARRY"
   for t in faults endurance; do
     bin=$(cargo test -p qmk-backend-cust --release --test "$t" --no-run --message-format=json 2>/dev/null \

@@ -44,12 +44,7 @@ CARRY=${CARRY:-$ROOT/.carry/perf}
 if [[ $MODE == build ]]; then
   set -e
   cd "$ROOT"
-  eval "$(bash .ci/stub-libcuda.sh)"
-  # find_cuda_helper 0.2 only searches $CUDA_LIBRARY_PATH/lib64.
-  if [[ ! -e "$CUDA_LIBRARY_PATH/lib64" ]]; then
-    mkdir -p /tmp/qmk-cust-stub && ln -sfn "$CUDA_LIBRARY_PATH" /tmp/qmk-cust-stub/lib64
-    export CUDA_LIBRARY_PATH=/tmp/qmk-cust-stub
-  fi
+  source "$ROOT/scripts/gpu/build-env.sh"
   stage=$(mktemp -d)
   # Copy at once and check the feature: other sessions share target/ and may
   # rebuild target/release/qwen-mk without it in between.

@@ -12,11 +12,7 @@ CARRY="$ROOT/.carry/scale"
 if [[ ${1:-run} == build ]]; then
   set -e
   cd "$ROOT"
-  eval "$(bash .ci/stub-libcuda.sh)"
-  if [[ ! -e "$CUDA_LIBRARY_PATH/lib64" ]]; then
-    mkdir -p /tmp/qmk-cust-stub && ln -sfn "$CUDA_LIBRARY_PATH" /tmp/qmk-cust-stub/lib64
-    export CUDA_LIBRARY_PATH=/tmp/qmk-cust-stub
-  fi
+  source "$ROOT/scripts/gpu/build-env.sh"
   cargo build -p qwen-mk --release
   bin=$(cargo test -p qmk-backend-cust --release --test scale --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import sys,json
