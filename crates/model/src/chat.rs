@@ -34,12 +34,18 @@
 //!    `range` of more than 10^5 items;
 //!    `{{ value }}` writes a value only if it holds at most
 //!    [`MAX_FILTER_ITEMS`] items, nested ones included;
-//! 9. a panic inside the template engine becomes an error.
+//! 9. a panic inside the template engine becomes an error;
+//! 10. the operators that build values (`~`, string `+` and `* n`, a
+//!     materialised sequence `+`) allocate at most
+//!     [`OPERATOR_BUDGET_BYTES`] in all during one render, and a sequence
+//!     built by `*` or `+` claims at most [`MAX_SEQUENCE_ITEMS`] items
+//!     (`{% set ns.s = ns.s ~ ns.s %}` in a loop, `['x'] * 10**12`): hooks
+//!     added by the vendored, patched minijinja (vendor/README.md).
 //!
-//! Not bounded (minijinja offers no hook on operators): strings a template
-//! grows step by step (`{% set ns.s = ns.s ~ ns.s %}` in a loop doubles),
-//! and `~`, `in`, `==` walking a lazily repeated `['x'] * 10**12` in one
-//! instruction. See docs/hardening.md.
+//! Still unbounded: memory kept by values that filters build (each is
+//! capped as above, but a loop can keep many of them in a list), and the
+//! time of `in` / `==` / comparisons walking up to [`MAX_SEQUENCE_ITEMS`]
+//! items in one instruction. See docs/hardening.md.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -115,6 +121,29 @@ pub const MAX_FILTER_ITEMS: usize = 1_000_000;
 /// Largest width or precision in a `format` string (`'%099999999999d'`
 /// would allocate 100 GB in one instruction).
 pub const MAX_FORMAT_WIDTH: usize = 4096;
+/// Bytes the value-building operators (`~`, string `+`, `* n`, sequence
+/// concatenation) may allocate in all during one render: four times the
+/// output cap, so any template that could produce an acceptable prompt fits.
+pub const OPERATOR_BUDGET_BYTES: usize = 4 * MAX_RENDER_BYTES;
+/// Most items a sequence built by `*` or `+` may claim (patched minijinja).
+pub const MAX_SEQUENCE_ITEMS: usize = minijinja::value::MAX_SEQUENCE_ITEMS;
+
+/// Sets this thread's operator budget for one render and restores the
+/// previous one on drop (also when the render panics: the guard lives
+/// outside the panic catch).
+struct OperatorBudget(Option<usize>);
+
+impl OperatorBudget {
+    fn set(bytes: usize) -> Self {
+        OperatorBudget(minijinja::value::set_operator_budget(Some(bytes)))
+    }
+}
+
+impl Drop for OperatorBudget {
+    fn drop(&mut self) {
+        minijinja::value::set_operator_budget(self.0);
+    }
+}
 
 impl ChatTemplate {
     /// Finds the template in a model directory (see the module docs for the
@@ -259,6 +288,7 @@ impl ChatTemplate {
         // arithmetic of a repeated sequence, or of the source excerpt in an
         // error's debug info, with overflow checks on): an error too. The
         // error is formatted inside the catch for that reason.
+        let _budget = OperatorBudget::set(OPERATOR_BUDGET_BYTES);
         catch_engine_panic(&self.origin, "render failed", || {
             let mut out = CappedWriter::default();
             match tmpl.render_captured_to(Value::from(ctx), &mut out) {
@@ -275,6 +305,21 @@ impl ChatTemplate {
                         && e.detail() == Some("recursion limit exceeded") =>
                 {
                     Err(self.limit("recursion depth", RECURSION_LIMIT as u64))
+                }
+                // The patched operators' two limits (vendor/README.md).
+                Err(e)
+                    if e.kind() == ErrorKind::InvalidOperation
+                        && e.detail().is_some_and(|d| d.contains("memory budget")) =>
+                {
+                    Err(self.limit("operator bytes", OPERATOR_BUDGET_BYTES as u64))
+                }
+                Err(e)
+                    if e.kind() == ErrorKind::InvalidOperation
+                        && e.detail().is_some_and(|d| {
+                            d.contains("items") && d.contains("would have more than")
+                        }) =>
+                {
+                    Err(self.limit("sequence items", MAX_SEQUENCE_ITEMS as u64))
                 }
                 Err(e) => Err(self.err(e)),
             }

@@ -8,7 +8,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use qmk_layout::DType;
-use qmk_model::chat::{ChatTemplate, Message, MAX_INDENT, MAX_RENDER_BYTES, RECURSION_LIMIT};
+use qmk_model::chat::{
+    ChatTemplate, Message, MAX_INDENT, MAX_RENDER_BYTES, MAX_SEQUENCE_ITEMS, OPERATOR_BUDGET_BYTES,
+    RECURSION_LIMIT,
+};
 use qmk_model::checkpoint::save_checkpoint;
 use qmk_model::fuzzing::tiny_config;
 use qmk_model::tokenizer::Tokenizer;
@@ -116,7 +119,8 @@ fn template_recursing_through_macros_hits_the_recursion_limit() {
 #[test]
 fn template_looping_1e9_times_runs_out_of_fuel() {
     for src in [
-        "{% for x in ['a'] * 1000000000 %}{% endfor %}",
+        // 10^7 items (the most a repeated sequence may claim) x 3 instructions.
+        "{% for x in ['a'] * 10000000 %}{{ '' }}{% endfor %}",
         "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}",
     ] {
         let (e, took) = render_err(src);
@@ -175,16 +179,16 @@ fn template_asking_for_huge_indent_widths_is_refused() {
 #[test]
 fn template_calls_that_would_allocate_without_bound_are_refused() {
     for (src, needle) in [
-        ("{{ (['x'] * 10**12) | map('upper') | list }}", "items"),
-        ("{{ (['x'] * 10**12) | join }}", "items"),
-        ("{{ (['x'] * 10**12) | tojson }}", "items"),
-        ("{{ {'a': [['x'] * 10**12]} | tojson }}", "items"),
-        ("{{ ', '.join(['x'] * 10**12) }}", "items"),
+        ("{{ (['x'] * 2000000) | map('upper') | list }}", "items"),
+        ("{{ (['x'] * 2000000) | join }}", "items"),
+        ("{{ (['x'] * 2000000) | tojson }}", "items"),
+        ("{{ {'a': [['x'] * 2000000]} | tojson }}", "items"),
+        ("{{ ', '.join(['x'] * 2000000) }}", "items"),
         ("{{ [1] | slice(10**12) | list }}", "count"),
         // Found by the chat_template fuzz target: writing a huge lazy
         // sequence ignored the output cap (hours, then out of memory).
-        ("{{ {'a': [['x'] * 5**12]} }}", "`output` of more than"),
-        ("{{ ['x'] * 10**12 }}", "`output` of more than"),
+        ("{{ {'a': [['x'] * 3000000]} }}", "`output` of more than"),
+        ("{{ ['x'] * 2000000 }}", "`output` of more than"),
         ("{{ [1] | batch(10**12, 'x') | list }}", "count"),
         ("{{ '%099999999999d' | format(1) }}", "format width"),
         ("{{ '{:>99999999999}'.format(1) }}", "format width"),
@@ -198,16 +202,75 @@ fn template_calls_that_would_allocate_without_bound_are_refused() {
     }
 }
 
+/// The operators that build values are bounded by the patched minijinja
+/// (vendor/README.md): a doubling string or sequence, or a sequence claiming
+/// 10^12 items, is refused within a second, and the budget is per render.
+#[test]
+fn template_operators_are_bounded() {
+    for (src, what) in [
+        // 2^60 bytes by doubling, with `~` and with `+`.
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
+            "operator bytes",
+        ),
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s | length }}",
+            "operator bytes",
+        ),
+        // Many strings under the per-string caps: the budget is the total.
+        (
+            "{% set ns = namespace(l=[]) %}{% for i in range(100000) %}{% set ns.l = ns.l + ['x' * 10**7] %}{% endfor %}{{ ns.l | length }}",
+            "operator bytes",
+        ),
+        (
+            "{% set ns = namespace(l=[]) %}{% for i in range(100000) %}{% set ns.l = ns.l + [('x' * 10**6) ~ i] %}{% endfor %}{{ ns.l | length }}",
+            "operator bytes",
+        ),
+        // Lazy sequences that claim 10^12 items: walked by `in`, `~`, `==`.
+        ("{{ 'y' in ['x'] * 10**12 }}", "sequence items"),
+        ("{{ (['x'] * 10**12) ~ 'y' }}", "sequence items"),
+        ("{{ (['x'] * 10**12) == (['x'] * 10**12) }}", "sequence items"),
+        (
+            "{% set ns = namespace(l=['x']) %}{% for i in range(60) %}{% set ns.l = ns.l + ns.l %}{% endfor %}{{ 'y' in ns.l }}",
+            "sequence items",
+        ),
+        ("{{ {'a': [['x'] * 5**12]} }}", "sequence items"),
+    ] {
+        let (e, took) = render_err(src);
+        assert_limit(&e, what);
+        assert!(took < Duration::from_secs(10), "{src}: {took:?}");
+    }
+    assert_eq!(
+        MAX_SEQUENCE_ITEMS.to_string(),
+        "10000000",
+        "docs/hardening.md quotes this cap"
+    );
+    // Under the limits the operators work, and every render gets a fresh
+    // budget: 10 + 20 + 30 + 40 + 50 + 60 = 210 MB of operator results per
+    // render (under the 256 MiB budget), twice.
+    let t = template(
+        "{% set a = 'x' * 10**7 %}{% set s = a ~ a ~ a ~ a ~ a ~ a %}{{ s | length }}|{{ ['x'] * 3 }}|{{ 'y' in ['x'] * 1000 }}",
+    );
+    const { assert!(OPERATOR_BUDGET_BYTES > 210_000_000) };
+    for _ in 0..2 {
+        let out = t.render(&[], false).unwrap();
+        assert!(out.starts_with("60000000|["), "{out}");
+        assert!(out.ends_with("]|False"), "{out}"); // pycompat booleans
+        assert_eq!(out.matches('x').count(), 3, "{out}");
+    }
+}
+
 /// minijinja 2.24 panics on some hostile templates when overflow checks
 /// are on (as in tests and fuzzing): in its length arithmetic of a repeated
 /// sequence, and in the source excerpt of an error's debug info (found by
 /// the `chat_template` fuzz target). Either way the caller gets an error.
 #[test]
 fn minijinja_panics_become_errors() {
-    for src in [
-        "{{ (range(10) * 4611686018427387904) | length }}",
-        "{% for in ['a'] * 0000002000 %}x in ['a'] * 0000002000 %}{% endfor %}",
-    ] {
+    // The repeat overflow now stops at the patched item cap, before the
+    // arithmetic that panicked (vendor/README.md).
+    let (e, _) = render_err("{{ (range(10) * 4611686018427387904) | length }}");
+    assert_limit(&e, "sequence items");
+    for src in ["{% for in ['a'] * 0000002000 %}x in ['a'] * 0000002000 %}{% endfor %}"] {
         match template(src).render(&[Message::user("hi")], true) {
             Err(e @ ModelError::ChatTemplate { .. }) => {
                 assert_names(&e, &["/m/chat_template.jinja"]);
