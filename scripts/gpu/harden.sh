@@ -20,7 +20,8 @@
 #              between the processes: much of a run is host-side start-up,
 #              weights, instrumentation and the CPU reference)
 #   SAN_SPIN_S spin budget and host deadline per step under the sanitizers
-#              (default 120 s; the kernel's default is 2 s)
+#              (default: each run's time limit + 60 s; the kernel's default
+#              is 2 s)
 #   PAD        memcheck --padding, bytes of guard gap after every allocation
 #              (default 65536)
 #   QMK_SAN_LAYERS  n: the sanitizer target runs 0.5B cut to n layers (same
@@ -98,7 +99,6 @@ if [[ $MODE == run || $MODE == sanitize ]]; then
     summary+=("FAIL sanitizers: no $SAN")
   else
     "$SAN" --version > "$LOG/sanitizer-version.txt" 2>&1
-    export QMK_TEST_SPIN_S=${SAN_SPIN_S:-120} QMK_TEST_DEADLINE_S=${SAN_SPIN_S:-120}
     pad=(--padding "${PAD:-65536}")
     # name tool child-env test
     san() {
@@ -111,7 +111,8 @@ if [[ $MODE == run || $MODE == sanitize ]]; then
       if [[ $tool == racecheck ]]; then
         t=${T_RACE:-280}; layers=${RACE_LAYERS:-2}
       fi
-      QMK_SAN_LAYERS=$layers QMK_TEST_SPIN_S=$((t + 60)) QMK_TEST_DEADLINE_S=$((t + 60)) \
+      QMK_SAN_LAYERS=$layers QMK_TEST_SPIN_S=${SAN_SPIN_S:-$((t + 60))} \
+        QMK_TEST_DEADLINE_S=${SAN_SPIN_S:-$((t + 60))} \
         QMK_FAULT_CHILD=$child runlog "$name" "$t" "$SAN" --tool "$tool" "${extra[@]}" \
         --error-exitcode 99 "$CARRY/faults-tests" --exact "$test" --nocapture --test-threads=1
     }

@@ -76,7 +76,8 @@ LOGDIR=${LOGDIR:-$PWD/gpu-out}
 LOG="$LOGDIR/perf"; mkdir -p "$LOG"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export QMK_CACHE_DIR=${QMK_CACHE_DIR:-/tmp/qmk-cubins} RUST_BACKTRACE=1
-BUDGET=${BUDGET:-200}
+# `exp` and `final` time more rows than `run`.
+case $MODE in exp|final) BUDGET=${BUDGET:-400} ;; *) BUDGET=${BUDGET:-200} ;; esac
 STEPS=${STEPS:-200}
 T0=$SECONDS
 summary=()
@@ -153,7 +154,6 @@ hf() {
 # cudarc), then HF side by side (reads prefill/bench.jsonl too, so run
 # prefill.sh first in the same pass).
 if [[ $MODE == exp ]]; then
-  BUDGET=${BUDGET:-400}
   tests long-context long-context-tests 30 150
   : > "$LOG/bench.jsonl"; : > "$LOG/bench.log"
   bench 0.5b-short 5 45 --preset 0.5b --profile

@@ -461,11 +461,7 @@ impl CudarcBackend {
     /// barrier (one CTA never arrives), to exercise the bounded waits.
     #[doc(hidden)]
     pub fn set_debug_hang(&mut self, on: bool) {
-        self.debug_flags = if on {
-            self.debug_flags | FLAG_DEBUG_HANG
-        } else {
-            self.debug_flags & !FLAG_DEBUG_HANG
-        };
+        self.set_kernel_flags(FLAG_DEBUG_HANG, on);
     }
     /// A/B and test hook: sets (`on`) or clears the kernel flag bits `mask`
     /// (`qmk_kernels::params::FLAG_*`, e.g. `FLAG_ATTN_NO_SPLIT`,
@@ -483,11 +479,7 @@ impl CudarcBackend {
     /// CUDA_ERROR_ILLEGAL_ADDRESS: the engine must become unusable.
     #[doc(hidden)]
     pub fn set_debug_oob(&mut self, on: bool) {
-        self.debug_flags = if on {
-            self.debug_flags | FLAG_DEBUG_OOB
-        } else {
-            self.debug_flags & !FLAG_DEBUG_OOB
-        };
+        self.set_kernel_flags(FLAG_DEBUG_OOB, on);
     }
     /// `n` decode steps back to back from position `start` (the kernel feeds
     /// its own pick to the next step on the device, no host round trip);

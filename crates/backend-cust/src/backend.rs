@@ -438,11 +438,7 @@ impl CustBackend {
     /// barrier (one CTA never arrives), to exercise the bounded waits.
     #[doc(hidden)]
     pub fn set_debug_hang(&mut self, on: bool) {
-        self.debug_flags = if on {
-            self.debug_flags | FLAG_DEBUG_HANG
-        } else {
-            self.debug_flags & !FLAG_DEBUG_HANG
-        };
+        self.set_kernel_flags(FLAG_DEBUG_HANG, on);
     }
     /// A/B and test hook: sets (`on`) or clears the kernel flag bits `mask`
     /// (`qmk_kernels::params::FLAG_*`, e.g. `FLAG_ATTN_NO_SPLIT`,
@@ -460,11 +456,7 @@ impl CustBackend {
     /// CUDA_ERROR_ILLEGAL_ADDRESS: the engine must become unusable.
     #[doc(hidden)]
     pub fn set_debug_oob(&mut self, on: bool) {
-        self.debug_flags = if on {
-            self.debug_flags | FLAG_DEBUG_OOB
-        } else {
-            self.debug_flags & !FLAG_DEBUG_OOB
-        };
+        self.set_kernel_flags(FLAG_DEBUG_OOB, on);
     }
     /// Changes the host deadline of one step.
     pub fn set_step_deadline(&mut self, t: Duration) {

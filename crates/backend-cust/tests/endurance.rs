@@ -5,6 +5,7 @@
 //! GPU. On the GPU machine: `endurance-tests --test-threads=1 --nocapture`
 //! (scripts/gpu/harden.sh); about 25-35 s per backend.
 
+#[macro_use]
 mod common;
 #[macro_use]
 #[path = "common/hooks.rs"]

@@ -12,6 +12,7 @@
 //! On the GPU machine: `faults-tests --test-threads=1 --nocapture`
 //! (scripts/gpu/harden.sh).
 
+#[macro_use]
 mod common;
 #[macro_use]
 #[path = "common/hooks.rs"]

@@ -8,6 +8,7 @@
 //! On the GPU machine, from the prebuilt binary (scripts/gpu/cust-and-bench.sh):
 //! `cust-gpu-tests --test-threads=1 --nocapture`.
 
+#[macro_use]
 mod common;
 use common::*;
 
@@ -265,22 +266,6 @@ fn backends_agree(preset: &str) {
         );
     }
     println!("{test}: {STEPS} steps, ids identical, logits bit-identical; ids {ids_a:?}");
-}
-
-/// Instantiates a generic test for both backends.
-macro_rules! both {
-    ($name:ident, $f:ident $(, $arg:expr)*) => {
-        mod $name {
-            #[test]
-            fn cudarc() {
-                super::$f::<qmk_backend_cudarc::CudarcBackend>($($arg),*);
-            }
-            #[test]
-            fn cust() {
-                super::$f::<qmk_backend_cust::CustBackend>($($arg),*);
-            }
-        }
-    };
 }
 
 // Test names sort so that one preset's tests run together (weights cache).

@@ -24,6 +24,7 @@
 //! On the GPU machine, from the prebuilt binary (scripts/gpu/perf.sh):
 //! `long-context-tests --test-threads=1 --nocapture`.
 
+#[macro_use]
 mod common;
 use common::*;
 
@@ -239,22 +240,6 @@ fn split_vs_v1<B: Gpu>(preset: &str, n: usize) {
         "{test}: PASS: split vs v1.2 rel err {e:.3e}, split repeat and warp-major bit-identical; \
          prefill (step by step) {prefill_s:.1} s"
     );
-}
-
-/// Instantiates a generic test for both backends.
-macro_rules! both {
-    ($name:ident, $f:ident $(, $arg:expr)*) => {
-        mod $name {
-            #[test]
-            fn cudarc() {
-                super::$f::<qmk_backend_cudarc::CudarcBackend>($($arg),*);
-            }
-            #[test]
-            fn cust() {
-                super::$f::<qmk_backend_cust::CustBackend>($($arg),*);
-            }
-        }
-    };
 }
 
 // Names sort so one preset's tests run together (weights cache).

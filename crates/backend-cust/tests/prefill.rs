@@ -25,6 +25,7 @@
 //! leaves out `c_7b_prompt_3000` (its CPU reference prefill is ~40 TFLOP,
 //! minutes on 16 cores); `FULL=1 prefill.sh tests` runs it.
 
+#[macro_use]
 mod common;
 use common::*;
 
@@ -351,21 +352,6 @@ fn prefill_threshold_table<B: Pf>(preset: &str) {
         B::NAME,
         qmk_kernels::host::DEFAULT_PREFILL_MIN_TOKENS
     );
-}
-
-macro_rules! both {
-    ($name:ident, $f:ident $(, $arg:expr)*) => {
-        mod $name {
-            #[test]
-            fn cudarc() {
-                super::$f::<qmk_backend_cudarc::CudarcBackend>($($arg),*);
-            }
-            #[test]
-            fn cust() {
-                super::$f::<qmk_backend_cust::CustBackend>($($arg),*);
-            }
-        }
-    };
 }
 
 // Test names sort so that one preset's tests run together (weights cache).

@@ -93,22 +93,6 @@ impl_hooks!(
 );
 impl_hooks!(qmk_backend_cust::CustBackend, "cust", qmk_backend_cust);
 
-/// Instantiates a generic test for both backends (as in gpu.rs).
-macro_rules! both {
-    ($name:ident, $f:ident $(, $arg:expr)*) => {
-        mod $name {
-            #[test]
-            fn cudarc() {
-                super::$f::<qmk_backend_cudarc::CudarcBackend>($($arg),*);
-            }
-            #[test]
-            fn cust() {
-                super::$f::<qmk_backend_cust::CustBackend>($($arg),*);
-            }
-        }
-    };
-}
-
 /// Seconds from an environment variable (the sanitizer runs raise the spin
 /// budget and the host deadline this way), else `default`.
 pub fn env_secs(var: &str, default: Duration) -> Duration {

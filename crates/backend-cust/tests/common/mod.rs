@@ -1,6 +1,24 @@
 //! Helpers shared by the GPU test files of this crate (gpu.rs, prefill.rs,
-//! scale.rs). Each test file uses a subset.
+//! scale.rs, long_context.rs, faults.rs, endurance.rs). Each uses a subset.
 #![allow(dead_code)]
+
+/// Instantiates a generic test `$f::<B>($args)` for both backends, as
+/// `$name::cudarc` and `$name::cust` (`#[macro_use] mod common;`).
+#[allow(unused_macros)]
+macro_rules! both {
+    ($name:ident, $f:ident $(, $arg:expr)*) => {
+        mod $name {
+            #[test]
+            fn cudarc() {
+                super::$f::<qmk_backend_cudarc::CudarcBackend>($($arg),*);
+            }
+            #[test]
+            fn cust() {
+                super::$f::<qmk_backend_cust::CustBackend>($($arg),*);
+            }
+        }
+    };
+}
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
