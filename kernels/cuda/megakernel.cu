@@ -27,6 +27,7 @@
 // The prefill kernel (issue 9): same cubin, own entry point.
 #include "prefill_mma.cuh"
 #include "prefill_gemm.cuh"
+#include "prefill_wgmma.cuh"
 #include "prefill_norm.cuh"
 #include "prefill_rope.cuh"
 #include "prefill_attention.cuh"

@@ -93,6 +93,12 @@ constexpr u32 kFlagAttnNoSplit = 32u;
 // A/B: the split attention at every context length (by default it runs from
 // kAttnSplitMinContext cached positions on; below, the v1 path).
 constexpr u32 kFlagAttnForceSplit = 64u;
+// A/B (prefill kernel, sm_90a): the mma.sync GEMM of prefill_gemm.cuh instead
+// of the wgmma one (prefill_wgmma.cuh). No effect elsewhere.
+constexpr u32 kFlagPfMmaSync = 1u << 18;
+// A/B (prefill kernel, wgmma GEMM): every tile data-parallel, no stream-K
+// split of the last wave.
+constexpr u32 kFlagPfNoStreamK = 1u << 19;
 // Profiling: bits kSkipShift.. skip phases (qkv, attention, o_proj, gate_up,
 // down, lm_head) while keeping every barrier; time(full) - time(skip X)
 // is what X costs. Results are garbage in these runs.
@@ -141,6 +147,7 @@ struct PrefillParams {
     u64 qkv;         // [T, Q + 2 KV] f32 projections + bias, before rotary
     u64 qb;          // [T, Q] bf16 rotated queries
     u64 hb;          // [T, I] bf16 silu(gate) * up
+    u64 sk;          // stream-K scratch: [G] partial tiles, nonce, [G] flags
     u32 n_tokens;    // n: positions in this chunk (1..=max_tokens)
     u32 start;       // position of tokens[0]
     u32 max_tokens;  // T: rows of every scratch buffer above

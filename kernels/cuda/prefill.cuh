@@ -10,16 +10,23 @@
 //   norm1 (layer 0: + embedding) -> qkv GEMM -> rotary + KV write ->
 //   attention -> o_proj GEMM + residual -> norm2 -> gate/up GEMM + SiLU ->
 //   down GEMM + residual
-// Barriers per chunk: 8 L + 1 (after the LM head).
+// Barriers per chunk: 8 L + 1 (after the LM head). Skip bits (kSkipShift +
+// 0..5: qkv, attention, o_proj, gate_up, down, lm_head) drop phases for
+// profiling, as in the decode kernel.
 #pragma once
 
 namespace qmk {
 
-// Dynamic shared memory: the GEMM stages or the final norm's activation
-// vector, whichever is larger.
+// Dynamic shared memory: the GEMM stages (the wgmma ones where that path is
+// compiled in: it also runs the mma.sync path under kFlagPfMmaSync, inside
+// the same bytes) or the final norm's activation vector, whichever is larger.
+constexpr u32 kPfGemmSmem = (QMK_WGMMA && kWgShapesOk && wg_smem_bytes() > gemm_smem_bytes())
+                                ? wg_smem_bytes()
+                                : gemm_smem_bytes();
 constexpr u32 kPrefillSmemBytes =
-    gemm_smem_bytes() > (u32)(QMK_HIDDEN * 4) ? gemm_smem_bytes() : (u32)(QMK_HIDDEN * 4);
-static_assert(kPrefillSmemBytes <= QMK_PREFILL_SMEM_BYTES,
+    kPfGemmSmem > (u32)(QMK_HIDDEN * 4) ? kPfGemmSmem : (u32)(QMK_HIDDEN * 4);
+static_assert(kPrefillSmemBytes == ((QMK_WGMMA && kWgShapesOk) ? QMK_PREFILL_SMEM_BYTES_WGMMA
+                                                               : QMK_PREFILL_SMEM_BYTES),
               "host and kernel disagree on the prefill kernel's shared memory");
 static_assert(QMK_PREFILL_BARRIERS == 8 * QMK_LAYERS + 1, "prefill barrier count drifted");
 
@@ -52,32 +59,52 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
         return;
     }
 
+    // Profiling (as in the decode kernel): skip bits drop phases, every
+    // barrier stays; time(full) - time(skip X) is what X costs.
+    const u32 skip = (p.flags >> kSkipShift) & 0x3Fu;
     GridBarrier bar;
     bar.init(p);
+    // Stream-K scratch of the wgmma GEMM phases (prefill_wgmma.cuh): this
+    // launch's nonce, read by every CTA before its first barrier arrival.
+    __shared__ u32 s_nonce;
+    if (threadIdx.x == 0) s_nonce = (u32)*reinterpret_cast<volatile u64*>(wg_sk_nonce(pp));
+    __syncthreads();
+    WgStreamK sk;
+    sk.part = reinterpret_cast<float*>(pp.sk);
+    sk.flags = wg_sk_nonce(pp) + 1;
+    sk.nonce = s_nonce;
+    sk.seq = 0;
     for (u32 layer = 0; layer < QMK_LAYERS; ++layer) {
         const LayerView<input_layernorm_t> ln1(p.input_layernorm, layer);
         prefill_rms_norm(pp, layer == 0, [&](u32 i) { return ln1.elem(i); });
         if (!bar.sync(p, kPhasePfNorm, layer)) return;
-        prefill_qkv(pp, layer, smem);
+        // Every CTA has read the nonce: the next launch gets a new one.
+        if (layer == 0 && blockIdx.x == 0 && threadIdx.x == 0)
+            *reinterpret_cast<volatile u64*>(wg_sk_nonce(pp)) = (u64)(sk.nonce + 1u);
+        if (!(skip & 1u)) prefill_qkv(pp, layer, smem, sk);
         if (!bar.sync(p, kPhasePfQkv, layer)) return;
         prefill_rope_kv(pp, layer);
         if (!bar.sync(p, kPhasePfRope, layer)) return;
-        prefill_attention(pp, layer);
+        if (!(skip & 2u)) prefill_attention(pp, layer, smem);
         if (!bar.sync(p, kPhasePfAttention, layer)) return;
-        prefill_residual_gemm<o_proj_t, (int)QMK_Q_DIM>(pp, p.o_proj, layer, pp.xa,
-                                                         QMK_PF_XA_COLS, smem);
+        if (!(skip & 4u))
+            prefill_residual_gemm<o_proj_t, (int)QMK_Q_DIM>(pp, p.o_proj, layer, pp.xa,
+                                                             QMK_PF_XA_COLS, smem, sk,
+                                                             kPhasePfOProj);
         if (!bar.sync(p, kPhasePfOProj, layer)) return;
         const LayerView<post_attention_layernorm_t> ln2(p.post_attention_layernorm, layer);
         // act already holds the residual (layer 0 wrote it in norm1).
         prefill_rms_norm(pp, false, [&](u32 i) { return ln2.elem(i); });
         if (!bar.sync(p, kPhasePfNorm2, layer)) return;
-        prefill_gate_up(pp, layer, smem);
+        if (!(skip & 8u)) prefill_gate_up(pp, layer, smem, sk);
         if (!bar.sync(p, kPhasePfGateUp, layer)) return;
-        prefill_residual_gemm<down_proj_t, (int)QMK_INTER>(pp, p.down_proj, layer, pp.hb,
-                                                           QMK_INTER, smem);
+        if (!(skip & 16u))
+            prefill_residual_gemm<down_proj_t, (int)QMK_INTER>(pp, p.down_proj, layer, pp.hb,
+                                                               QMK_INTER, smem, sk,
+                                                               kPhasePfDown);
         if (!bar.sync(p, kPhasePfDown, layer)) return;
     }
-    lm_head(p, xs, red);
+    if (!(skip & 32u)) lm_head(p, xs, red);
     if (!bar.sync(p, kPhaseLmHead, QMK_LAYERS)) return;
     if (blockIdx.x == 0) {
         const u32 pick = argmax(p);

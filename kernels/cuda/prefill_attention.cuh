@@ -2,188 +2,253 @@
 // queries over every cached position (earlier chunks and this one),
 // flash-attention style on tensor cores: no T x T matrix in memory.
 //
-// Work unit = one warp, one head h, 16 consecutive queries t0..t0+15
-// (positions start + t), all output dims (D = 64) or one half (D = 128).
-// The warp walks keys 0 .. start + t0 + 15 in tiles of 16: S = Q K^T (mma),
-// causal mask, online softmax in registers (row max / sum over the 4 lanes
-// of a quad), then O += P V with P re-packed from the S accumulators as an
-// A fragment (the FA2 register trick). Output attn bf16 [T, Q] (in xa,
-// pitch QMK_PF_XA_COLS), the A operand of o_proj.
+// v3 (K/V tiles in shared memory, shared by a KV group's query heads).
+// CTA work item = (kv head, QB consecutive 16-query blocks). Its warps are
+// the units (query block, query head of the group, half of D when D = 128):
+// GROUP x SPLIT x QB <= 16 warps (7B: 7 heads x 2 halves = 14 warps; 0.5B:
+// 7 heads x 2 blocks). Every unit needs the same keys, so the CTA streams
+// them once: tiles of kAttnKeys keys of K and V, 16-byte cp.async.cg into
+// two shared-memory stages (the next tile loads while this one is used),
+// rows padded by 16 bytes (the 8 row addresses of an ldmatrix hit 8
+// distinct bank groups). Keys past the item's last query read as zero (a
+// never-written cache row could hold NaN bits; P is 0 there anyway).
 //
-// 16-byte loads through permuted dimensions (a dot product does not care
-// in which order its terms come, as long as both sides agree):
-//  - Q K^T: in each 32-dim block p, lane quad c takes dims 32p + 8c .. +7
-//    of its Q rows and K keys as one uint4; words x, y feed k-step 2p
-//    (fragment positions 2c.. and 2c+8..), words z, w k-step 2p + 1.
-//  - P V: output n-tile j, column x is dim dcol + 8x + j (lane group g
-//    owns dims dcol + 8g .. +7 of every key: one uint4 per key, 4 keys per
-//    tile); so a lane's accumulators hold 16 consecutive output dims
-//    dcol + 16c .. +15 of rows g and g + 8 (two uint4 stores per row).
+// Per warp and 32-key step (v3b; v3a stepped 16 keys, twice the softmax
+// bookkeeping per key): S = Q K^T (mma m16n8k16, K fragments by ldmatrix.x4
+// from the K rows), causal mask (only on steps that reach the diagonal),
+// online softmax in base 2 in registers
+// (row max / sum over the 4 lanes of a quad), then O += P V with P
+// re-packed from the S accumulators as an A fragment (the FA2 register
+// trick) and V fragments by ldmatrix.x4.trans. Q fragments stay in
+// registers; with D = 128 each warp keeps half of the output dims (S is then
+// computed by both halves, which keeps the warp under 128 registers).
+// Output attn bf16 [T, Q] (in xa, pitch QMK_PF_XA_COLS), the A operand of
+// o_proj. Items in descending query order: the longest start first.
 #pragma once
 
 namespace qmk {
 
-// Four bf16 pairs (a.lo|b.lo, a.hi|b.hi per word) -> the B fragment word of
-// element j of two uint4 rows a, b (j in 0..7): lo 16 bits from a, hi from b.
-__device__ __forceinline__ u32 pair_elem(const uint4& a, const uint4& b, u32 j) {
-    const u32 wa = j < 2 ? a.x : (j < 4 ? a.y : (j < 6 ? a.z : a.w));
-    const u32 wb = j < 2 ? b.x : (j < 4 ? b.y : (j < 6 ? b.z : b.w));
-    return __byte_perm(wa, wb, (j & 1) ? 0x7632u : 0x5410u);
+constexpr u32 kAttnKeys = 64;                                 // keys per smem tile
+constexpr u32 kAttnStep = 32;  // keys per online-softmax step (one rescale of O per step)
+static_assert(kAttnKeys % kAttnStep == 0 && kAttnStep % 16 == 0, "whole steps per tile");
+constexpr u32 kAttnPitch = (u32)QMK_HEAD_DIM * 2u + 16u;      // bytes per smem row
+constexpr u32 kAttnStage = 2u * kAttnKeys * kAttnPitch;      // K + V tile, bytes
+constexpr u32 kAttnSmemBytes = 2u * kAttnStage;               // two stages
+
+// Four 8x8 bf16 matrices, transposed on the way (the V operand).
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
 }
 
-__device__ __forceinline__ uint4 ld_u128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
-
-__device__ __forceinline__ void prefill_attention(const PrefillParams& pp, u32 layer) {
+__device__ __forceinline__ void prefill_attention(const PrefillParams& pp, u32 layer, u16* smem) {
     const Params& p = pp.base;
     constexpr u32 D = QMK_HEAD_DIM;
-    static_assert(D % 32 == 0, "head_dim must be a multiple of 32 (16-byte permuted loads)");
-    constexpr u32 DP = D / 32;  // 32-dim blocks = pairs of k-steps of Q K^T
-    // Output dims per unit: all of them for D = 64; half for D = 128 (S is
-    // then computed twice, once per half, but the 64 -> 32 output
-    // accumulators keep the warp under 128 registers).
+    static_assert(D % 16 == 0 && D <= 128, "head_dim: a multiple of 16, at most 128");
+    constexpr u32 KS = D / 16;  // k-steps of Q K^T
+    // Output dims per unit: all of them up to 64; half for D = 128.
     constexpr u32 SPLIT = D > 64 ? 2 : 1;
     constexpr u32 DN = D / 8 / SPLIT;  // n-tiles of the output per unit
-    static_assert(DN == 8, "P V loads one uint4 (8 dims) per key and lane group");
+    static_assert(DN % 2 == 0, "V fragments come two n-tiles per ldmatrix.x4");
     constexpr u32 GROUP = QMK_HEADS / QMK_KV_HEADS;
-    const float scale = 1.0f / sqrtf((float)D);
+    constexpr u32 UPB = GROUP * SPLIT;  // units per query block
+    static_assert(UPB <= QMK_WARPS, "a KV group's units must fit one CTA");
+    constexpr u32 QB = QMK_WARPS / UPB;  // query blocks per item
+    constexpr u32 CHUNKS = D * 2u / 16u;  // 16-byte chunks per K or V row
+    static_assert((2u * kAttnKeys * CHUNKS) % QMK_THREADS == 0, "whole cp.async rounds");
+    static_assert(kAttnSmemBytes <= gemm_smem_bytes(), "attention stages exceed the smem");
+    // Softmax in base 2: scores scaled by log2(e) / sqrt(D), exp2 (P is
+    // rounded to bf16 for the P V product anyway).
+    const float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
+    constexpr u32 NTS = kAttnStep / 8;  // 8-key n-tiles of S per step
     const char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);
     const char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);
     const char* qb = reinterpret_cast<const char*>(pp.qb);
     char* out = reinterpret_cast<char*>(pp.xa);
-    const u32 lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const u32 tid = threadIdx.x, warp = tid >> 5;
+    const u32 lane = tid & 31, g = lane >> 2, c = lane & 3;
     const u32 n = pp.n_tokens, start = pp.start;
     const u32 qblocks = (n + 15) / 16;
-    const u32 units = qblocks * QMK_HEADS * SPLIT;
-    const u32 nwt = gridDim.x * QMK_WARPS;
-    // Units in descending query block order: the longest rows start first.
-    for (u32 u = blockIdx.x * QMK_WARPS + (threadIdx.x >> 5); u < units; u += nwt) {
-        const u32 blk = qblocks - 1 - u / (QMK_HEADS * SPLIT);
-        const u32 h = (u / SPLIT) % QMK_HEADS, dh = u % SPLIT;
-        const u32 dcol = dh * (D / SPLIT);  // first output dim of this unit
-        const u32 t0 = blk * 16;
-        const u32 kvcol = (h / GROUP) * D;
-        // Q fragments (rows beyond the chunk are zero; their output is
-        // dropped), held in registers: qa[2p + s] is k-step 2p + s.
-        const u32 ta = t0 + g, tb = t0 + g + 8;
-        u32 qa[2 * DP][4];
+    const u32 groups = (qblocks + QB - 1) / QB;
+    const u32 items = groups * QMK_KV_HEADS;
+    const u32 sbase = smem_u32(smem);
+
+    // This warp's unit inside an item.
+    const bool active = warp < QB * UPB;
+    const u32 qbl = warp / UPB, h_in = (warp / SPLIT) % GROUP, dh = warp % SPLIT;
+    const u32 dcol = dh * (D / SPLIT);
+
+    for (u32 it = blockIdx.x; it < items; it += gridDim.x) {
+        const u32 grp = groups - 1 - it / QMK_KV_HEADS;
+        const u32 kvh = it % QMK_KV_HEADS;
+        const u32 kvcol = kvh * D;
+        // Keys 0 .. kmax inclusive: up to the item's last valid query.
+        const u32 kmax = start + min((grp + 1) * QB * 16 - 1, n - 1);
+        const u32 ntiles = kmax / kAttnKeys + 1;
+
+        // Loader: K and V rows of a tile, CHUNKS 16-byte pieces each.
+        auto load_tile = [&](u32 tile, u32 s) {
+            const u32 st = sbase + s * kAttnStage;
 #pragma unroll
-        for (u32 pb = 0; pb < DP; ++pb) {
-            const size_t col = ((size_t)h * D + pb * 32 + 8 * c) * 2;
-            const uint4 z = make_uint4(0, 0, 0, 0);
-            const uint4 ra = ta < n ? ld_u128(qb + (size_t)ta * QMK_Q_DIM * 2 + col) : z;
-            const uint4 rb = tb < n ? ld_u128(qb + (size_t)tb * QMK_Q_DIM * 2 + col) : z;
-            qa[2 * pb][0] = ra.x;
-            qa[2 * pb][1] = rb.x;
-            qa[2 * pb][2] = ra.y;
-            qa[2 * pb][3] = rb.y;
-            qa[2 * pb + 1][0] = ra.z;
-            qa[2 * pb + 1][1] = rb.z;
-            qa[2 * pb + 1][2] = ra.w;
-            qa[2 * pb + 1][3] = rb.w;
+            for (u32 i = 0; i < 2u * kAttnKeys * CHUNKS / QMK_THREADS; ++i) {
+                const u32 idx = tid + i * QMK_THREADS;
+                const u32 is_v = idx / (kAttnKeys * CHUNKS);
+                const u32 r = (idx / CHUNKS) % kAttnKeys, ch = idx % CHUNKS;
+                const u32 key = tile * kAttnKeys + r;
+                const bool ok = key <= kmax;
+                const char* src = (is_v ? vl : kl) + kv_off(ok ? key : 0u, kvcol + ch * 8u);
+                cp_async16(st + is_v * kAttnKeys * kAttnPitch + r * kAttnPitch + ch * 16u, src,
+                           ok ? 16u : 0u);
+            }
+        };
+
+        // The previous item's (or phase's) reads of the stages are done.
+        __syncthreads();
+        load_tile(0, 0);
+        cp_async_commit();
+
+        const u32 blk = grp * QB + qbl;
+        const u32 t0 = blk * 16;
+        const u32 h = kvh * GROUP + h_in;
+        const bool unit = active && t0 < n;
+        const u32 ta = t0 + g, tb = t0 + g + 8;
+        const u32 qpos[2] = {start + ta, start + tb};
+        // This unit's last key (rows beyond the chunk attend like real ones;
+        // their output is dropped).
+        const u32 ukmax = unit ? start + min(t0 + 15, n - 1) : 0u;
+        // Q fragments, k-step ks = dims 16 ks .. + 15 (rows beyond the
+        // chunk are zero).
+        u32 qa[KS][4];
+#pragma unroll
+        for (u32 ks = 0; ks < KS; ++ks) {
+            const size_t col = ((size_t)h * D + ks * 16 + 2 * c) * 2;
+            const bool oka = unit && ta < n, okb = unit && tb < n;
+            const char* ra = qb + (size_t)ta * QMK_Q_DIM * 2 + col;
+            const char* rb = qb + (size_t)tb * QMK_Q_DIM * 2 + col;
+            qa[ks][0] = oka ? ld_u32(ra) : 0u;
+            qa[ks][1] = okb ? ld_u32(rb) : 0u;
+            qa[ks][2] = oka ? ld_u32(ra + 16) : 0u;
+            qa[ks][3] = okb ? ld_u32(rb + 16) : 0u;
         }
         float o[DN][4];
 #pragma unroll
         for (u32 j = 0; j < DN; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
         float m[2] = {-QMK_INF, -QMK_INF}, l[2] = {0.0f, 0.0f};
-        const u32 qpos[2] = {start + ta, start + tb};
-        // Keys 0 .. kmax inclusive (the last valid query of this block).
-        const u32 kmax = start + min(t0 + 15, n - 1);
+
+        // ldmatrix lane offsets inside a stage (bytes):
+        //  K (non-trans), n-tile pair: key (lane & 7) + (lane >> 4) * 8,
+        //    dims ((lane >> 3) & 1) * 8 -> b0, b1 of keys +0..7, b0, b1 of +8..15
+        //  V (trans), dim-tile pair: key (lane & 7) + ((lane >> 3) & 1) * 8,
+        //    dims (lane >> 4) * 8 -> b0, b1 of dims +0..7, b0, b1 of +8..15
+        const u32 k_lane = ((lane & 7) + (lane >> 4) * 8) * kAttnPitch + ((lane >> 3) & 1) * 16;
+        const u32 v_lane = kAttnKeys * kAttnPitch + ((lane & 7) + ((lane >> 3) & 1) * 8) * kAttnPitch +
+                           (dcol + (lane >> 4) * 8) * 2;
+
 #pragma unroll 1
-        for (u32 j0 = 0; j0 <= kmax; j0 += 16) {
-            float s[2][4];
+        for (u32 tile = 0; tile < ntiles; ++tile) {
+            cp_async_wait<0>();
+            // Tile `tile` is in every thread's view; every warp is done with
+            // the other stage (tile - 1), which the next load overwrites.
+            __syncthreads();
+            if (tile + 1 < ntiles) load_tile(tile + 1, (tile + 1) & 1);
+            cp_async_commit();
+            const u32 st = sbase + (tile & 1) * kAttnStage;
+#pragma unroll 1
+            for (u32 kk = 0; kk < kAttnKeys; kk += kAttnStep) {
+                const u32 j0 = tile * kAttnKeys + kk;
+                if (!unit || j0 > ukmax) break;
+                float s[NTS][4];
 #pragma unroll
-            for (u32 nt = 0; nt < 2; ++nt) {
-                s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-                const u32 key = j0 + nt * 8 + g;
-                const char* kr = kl + kv_off(key, kvcol + 8 * c);
-                const bool ok = key <= kmax;
+                for (u32 nt = 0; nt < NTS; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
-                for (u32 pb = 0; pb < DP; ++pb) {
-                    const uint4 kv = ok ? ld_u128(kr + pb * 64) : make_uint4(0, 0, 0, 0);
-                    mma_bf16_16816(s[nt], qa[2 * pb], kv.x, kv.y);
-                    mma_bf16_16816(s[nt], qa[2 * pb + 1], kv.z, kv.w);
+                for (u32 ks = 0; ks < KS; ++ks)
+#pragma unroll
+                    for (u32 hp = 0; hp < NTS / 2; ++hp) {
+                        u32 kb[4];
+                        ldmatrix_x4(kb, st + k_lane + (kk + 16 * hp) * kAttnPitch + ks * 32);
+                        mma_bf16_16816(s[2 * hp], qa[ks], kb[0], kb[1]);
+                        mma_bf16_16816(s[2 * hp + 1], qa[ks], kb[2], kb[3]);
+                    }
+                // Scale (log2 units) + causal mask, the mask only on steps
+                // that reach past the block's first query; row r = g
+                // (elements 0, 1) or g + 8 (2, 3).
+                const bool diag = j0 + kAttnStep - 1 > start + t0;
+                float mx[2] = {-QMK_INF, -QMK_INF};
+#pragma unroll
+                for (u32 nt = 0; nt < NTS; ++nt)
+#pragma unroll
+                    for (u32 e = 0; e < 4; ++e) {
+                        const u32 key = j0 + nt * 8 + 2 * c + (e & 1);
+                        const u32 r = e >> 1;
+                        float v = s[nt][e] * scale_log2;
+                        if (diag && key > qpos[r]) v = -QMK_INF;
+                        s[nt][e] = v;
+                        mx[r] = fmaxf(mx[r], v);
+                    }
+                float corr[2];
+#pragma unroll
+                for (u32 r = 0; r < 2; ++r) {
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(QMK_FULL_MASK, mx[r], 1));
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(QMK_FULL_MASK, mx[r], 2));
+                    const float m_new = fmaxf(m[r], mx[r]);
+                    // Key 0 is visible to every row, so m_new is finite from
+                    // the first step on (a row with every key of a later
+                    // step masked keeps its m: corr = 1, p = 0).
+                    corr[r] = exp2f(m[r] - m_new);
+                    m[r] = m_new;
+                    l[r] *= corr[r];
+                }
+#pragma unroll
+                for (u32 nt = 0; nt < NTS; ++nt)
+#pragma unroll
+                    for (u32 e = 0; e < 4; ++e) {
+                        const float pe = exp2f(s[nt][e] - m[e >> 1]);
+                        s[nt][e] = pe;
+                        l[e >> 1] += pe;
+                    }
+#pragma unroll
+                for (u32 j = 0; j < DN; ++j) {
+                    o[j][0] *= corr[0];
+                    o[j][1] *= corr[0];
+                    o[j][2] *= corr[1];
+                    o[j][3] *= corr[1];
+                }
+#pragma unroll
+                for (u32 hp = 0; hp < NTS / 2; ++hp) {
+                    const u32 pa[4] = {pack_bf16x2(s[2 * hp][0], s[2 * hp][1]),
+                                       pack_bf16x2(s[2 * hp][2], s[2 * hp][3]),
+                                       pack_bf16x2(s[2 * hp + 1][0], s[2 * hp + 1][1]),
+                                       pack_bf16x2(s[2 * hp + 1][2], s[2 * hp + 1][3])};
+#pragma unroll
+                    for (u32 j = 0; j < DN; j += 2) {
+                        u32 vb[4];
+                        ldmatrix_x4_trans(vb, st + v_lane + (kk + 16 * hp) * kAttnPitch + j * 16);
+                        mma_bf16_16816(o[j], pa, vb[0], vb[1]);
+                        mma_bf16_16816(o[j + 1], pa, vb[2], vb[3]);
+                    }
                 }
             }
-            // Causal mask + scale; row r = g (elements 0, 1) or g + 8 (2, 3).
-            float mx[2] = {-QMK_INF, -QMK_INF};
-#pragma unroll
-            for (u32 nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (u32 e = 0; e < 4; ++e) {
-                    const u32 key = j0 + nt * 8 + 2 * c + (e & 1);
-                    const u32 r = e >> 1;
-                    const float v = key <= qpos[r] ? s[nt][e] * scale : -QMK_INF;
-                    s[nt][e] = v;
-                    mx[r] = fmaxf(mx[r], v);
-                }
-            float corr[2];
-#pragma unroll
-            for (u32 r = 0; r < 2; ++r) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(QMK_FULL_MASK, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(QMK_FULL_MASK, mx[r], 2));
-                const float m_new = fmaxf(m[r], mx[r]);
-                // Key 0 is visible to every row, so m_new is finite from the
-                // first tile on.
-                corr[r] = expf(m[r] - m_new);
-                m[r] = m_new;
-                l[r] *= corr[r];
-            }
-#pragma unroll
-            for (u32 nt = 0; nt < 2; ++nt)
-#pragma unroll
-                for (u32 e = 0; e < 4; ++e) {
-                    const float pe = expf(s[nt][e] - m[e >> 1]);
-                    s[nt][e] = pe;
-                    l[e >> 1] += pe;
-                }
-#pragma unroll
-            for (u32 j = 0; j < DN; ++j) {
-                o[j][0] *= corr[0];
-                o[j][1] *= corr[0];
-                o[j][2] *= corr[1];
-                o[j][3] *= corr[1];
-            }
-            const u32 pa[4] = {pack_bf16x2(s[0][0], s[0][1]), pack_bf16x2(s[0][2], s[0][3]),
-                               pack_bf16x2(s[1][0], s[1][1]), pack_bf16x2(s[1][2], s[1][3])};
-            // V as B (k = key, n = dim): b0 = V[j0+2c, +1][d], b1 =
-            // V[j0+2c+8, +9][d], d = kvcol + dcol + 8g + j for n-tile j: one
-            // uint4 per key (masked keys read as zero: P is 0 there, but a
-            // never-written cache row could hold NaN bits).
-            const u32 k0 = j0 + 2 * c, k8 = k0 + 8;
-            const char* vr = vl + kv_off(k0, kvcol + dcol + 8 * g);
-            const uint4 z = make_uint4(0, 0, 0, 0);
-            const uint4 v0 = k0 <= kmax ? ld_u128(vr) : z;
-            const uint4 v1 = k0 + 1 <= kmax ? ld_u128(vr + QMK_KV_DIM * 2u) : z;
-            const uint4 v8 = k8 <= kmax ? ld_u128(vr + 8u * QMK_KV_DIM * 2u) : z;
-            const uint4 v9 = k8 + 1 <= kmax ? ld_u128(vr + 9u * QMK_KV_DIM * 2u) : z;
-#pragma unroll
-            for (u32 j = 0; j < DN; ++j)
-                mma_bf16_16816(o[j], pa, pair_elem(v0, v1, j), pair_elem(v8, v9, j));
         }
+        cp_async_wait<0>();
+        if (!unit) continue;
 #pragma unroll
         for (u32 r = 0; r < 2; ++r) {
             l[r] += __shfl_xor_sync(QMK_FULL_MASK, l[r], 1);
             l[r] += __shfl_xor_sync(QMK_FULL_MASK, l[r], 2);
         }
         const float inv[2] = {1.0f / l[0], 1.0f / l[1]};
-        // Lane (g, c) holds dims dcol + 16c + j (o[j][0 | 2]) and
-        // dcol + 16c + 8 + j (o[j][1 | 3]) of rows ta | tb.
-        const size_t col = ((size_t)h * D + dcol + 16 * c) * 2;
+        // Lane (g, c) holds dims dcol + 8j + 2c, + 1 of rows ta (o[j][0..1])
+        // and tb (o[j][2..3]).
 #pragma unroll
         for (u32 r = 0; r < 2; ++r) {
             const u32 t = r ? tb : ta;
             if (t >= n) continue;
-            uint4 lo, hi;
-            u32* lw = reinterpret_cast<u32*>(&lo);
-            u32* hw = reinterpret_cast<u32*>(&hi);
+            char* dst = out + (size_t)t * QMK_PF_XA_COLS * 2 + ((size_t)h * D + dcol + 2 * c) * 2;
 #pragma unroll
-            for (u32 j = 0; j < DN; j += 2) {
-                lw[j / 2] = pack_bf16x2(o[j][2 * r] * inv[r], o[j + 1][2 * r] * inv[r]);
-                hw[j / 2] = pack_bf16x2(o[j][2 * r + 1] * inv[r], o[j + 1][2 * r + 1] * inv[r]);
-            }
-            char* dst = out + (size_t)t * QMK_PF_XA_COLS * 2 + col;
-            *reinterpret_cast<uint4*>(dst) = lo;
-            *reinterpret_cast<uint4*>(dst + 16) = hi;
+            for (u32 j = 0; j < DN; ++j)
+                *reinterpret_cast<u32*>(dst + j * 16) =
+                    pack_bf16x2(o[j][2 * r] * inv[r], o[j][2 * r + 1] * inv[r]);
         }
     }
 }

@@ -19,6 +19,102 @@ namespace qmk {
 
 static_assert(QMK_HIDDEN % 2 == 0 && QMK_INTER % 2 == 0, "epilogues write column pairs");
 
+#if QMK_WGMMA
+// The wgmma versions of the three tile loops (prefill_wgmma.cuh, wg_phase:
+// full waves, then stream-K): NT-token x 256-weight-row tiles (128 columns
+// of gate and of up), the same column-major tile order, epilogues per
+// element.
+template <int NT>
+__device__ __forceinline__ void wg_qkv_tiles(const PrefillParams& pp, u32 layer, u32 smem,
+                                             WgStreamK& sk) {
+    const Params& p = pp.base;
+    const WRows wq = wrows<q_proj_t>(p.q_proj, layer);
+    const WRows wk = wrows<k_proj_t>(p.k_proj, layer);
+    const WRows wv = wrows<v_proj_t>(p.v_proj, layer);
+    const LayerView<q_bias_t> bq(p.q_bias, layer);
+    const LayerView<k_bias_t> bk(p.k_bias, layer);
+    const LayerView<v_bias_t> bv(p.v_bias, layer);
+    float* qkv = reinterpret_cast<float*>(pp.qkv);
+    constexpr u32 QT = (QMK_Q_DIM + kWgRows - 1) / kWgRows, KT = (QMK_KV_DIM + kWgRows - 1) / kWgRows;
+    constexpr u32 WT = QT + 2 * KT;
+    const u32 mt = (pp.n_tokens + NT - 1) / NT;
+    auto desc = [&](u32 tile, WgTile& d, WRows (&w)[1]) {
+        const u32 nt = tile / mt;
+        d.m0 = (tile % mt) * NT;
+        d.which = nt < QT ? 0u : (nt < QT + KT ? 1u : 2u);
+        d.n0 = (d.which == 0 ? nt : (d.which == 1 ? nt - QT : nt - QT - KT)) * kWgRows;
+        d.n_end = d.which == 0 ? QMK_Q_DIM : QMK_KV_DIM;
+        w[0] = d.which == 0 ? wq : (d.which == 1 ? wk : wv);
+    };
+    auto epi = [&](const WgTile& d, u32 t, u32 n, const float (&v)[1]) {
+        const u32 col0 =
+            d.which == 0 ? 0u : (d.which == 1 ? (u32)QMK_Q_DIM : (u32)(QMK_Q_DIM + QMK_KV_DIM));
+        const float b = d.which == 0 ? bq.elem(n) : (d.which == 1 ? bk.elem(n) : bv.elem(n));
+        qkv[(size_t)t * QMK_PF_QKV_COLS + col0 + n] = v[0] + b;
+    };
+    wg_phase<NT, 1, (int)QMK_HIDDEN>(pp, sk, kPhasePfQkv, layer,
+                                     reinterpret_cast<const char*>(pp.xa), QMK_PF_XA_COLS * 2u,
+                                     mt * WT, smem, desc, epi);
+}
+
+template <int NT, class T, int K>
+__device__ __forceinline__ void wg_residual_tiles(const PrefillParams& pp,
+                                                  const u64 (&chunks)[QMK_MAX_CHUNKS], u32 layer,
+                                                  u64 a, u32 a_cols, u32 smem, WgStreamK& sk,
+                                                  u32 phase) {
+    const WRows wt = wrows<T>(chunks, layer);
+    float* act = reinterpret_cast<float*>(pp.act);
+    constexpr u32 WT = (QMK_HIDDEN + kWgRows - 1) / kWgRows;
+    const u32 mt = (pp.n_tokens + NT - 1) / NT;
+    auto desc = [&](u32 tile, WgTile& d, WRows (&w)[1]) {
+        d.m0 = (tile % mt) * NT;
+        d.n0 = (tile / mt) * kWgRows;
+        d.n_end = QMK_HIDDEN;
+        d.which = 0;
+        w[0] = wt;
+    };
+    auto epi = [&](const WgTile&, u32 t, u32 n, const float (&v)[1]) {
+        float* dst = act + (size_t)t * QMK_HIDDEN + n;
+        *dst = *dst + v[0];
+    };
+    wg_phase<NT, 1, K>(pp, sk, phase, layer, reinterpret_cast<const char*>(a), a_cols * 2u,
+                       mt * WT, smem, desc, epi);
+}
+
+template <int NT>
+__device__ __forceinline__ void wg_gate_up_tiles(const PrefillParams& pp, u32 layer, u32 smem,
+                                                 WgStreamK& sk) {
+    const Params& p = pp.base;
+    const WRows wg = wrows<gate_proj_t>(p.gate_proj, layer), wu = wrows<up_proj_t>(p.up_proj, layer);
+    u16* hb = reinterpret_cast<u16*>(pp.hb);
+    constexpr u32 BNT = kWgRows / 2;
+    constexpr u32 WT = (QMK_INTER + BNT - 1) / BNT;
+    const u32 mt = (pp.n_tokens + NT - 1) / NT;
+    auto desc = [&](u32 tile, WgTile& d, WRows (&w)[2]) {
+        d.m0 = (tile % mt) * NT;
+        d.n0 = (tile / mt) * BNT;
+        d.n_end = QMK_INTER;
+        d.which = 0;
+        w[0] = wg;
+        w[1] = wu;
+    };
+    auto epi = [&](const WgTile&, u32 t, u32 n, const float (&v)[2]) {
+        hb[(size_t)t * QMK_INTER + n] = f32_to_bf16_rne(silu(v[0]) * v[1]);
+    };
+    wg_phase<NT, 2, (int)QMK_HIDDEN>(pp, sk, kPhasePfGateUp, layer,
+                                     reinterpret_cast<const char*>(pp.xa), QMK_PF_XA_COLS * 2u,
+                                     mt * WT, smem, desc, epi);
+}
+
+// Token-tile width of a wgmma phase with wt weight tiles over t tokens: 64
+// for chunks that fit it, else 64 when its waves finish sooner
+// (gemm_use_bm64's wave model; measured better at 512 tokens than 128-token
+// tiles with a stream-K split).
+__device__ __forceinline__ bool wg_use_nt64(u32 t, u32 wt) {
+    return t <= 64 || gemm_use_bm64(t, wt, gridDim.x);
+}
+#endif  // QMK_WGMMA
+
 template <int BM>
 __device__ __forceinline__ void prefill_qkv_tiles(const PrefillParams& pp, u32 layer, u16* smem) {
     const Params& p = pp.base;
@@ -54,7 +150,20 @@ __device__ __forceinline__ void prefill_qkv_tiles(const PrefillParams& pp, u32 l
     }
 }
 
-__device__ __forceinline__ void prefill_qkv(const PrefillParams& pp, u32 layer, u16* smem) {
+__device__ __forceinline__ void prefill_qkv(const PrefillParams& pp, u32 layer, u16* smem,
+                                            WgStreamK& sk) {
+#if QMK_WGMMA
+    if constexpr (kWgShapesOk) {
+        if (!(pp.base.flags & kFlagPfMmaSync)) {
+            constexpr u32 WT = (QMK_Q_DIM + kWgRows - 1) / kWgRows + 2 * ((QMK_KV_DIM + kWgRows - 1) / kWgRows);
+            if (wg_use_nt64(pp.n_tokens, WT))
+                wg_qkv_tiles<64>(pp, layer, wg_smem_base(smem), sk);
+            else
+                wg_qkv_tiles<128>(pp, layer, wg_smem_base(smem), sk);
+            return;
+        }
+    }
+#endif
     constexpr u32 NT = (QMK_Q_DIM + kGemmBN - 1) / kGemmBN + 2 * ((QMK_KV_DIM + kGemmBN - 1) / kGemmBN);
     if (gemm_use_bm64(pp.n_tokens, NT, gridDim.x))
         prefill_qkv_tiles<64>(pp, layer, smem);
@@ -86,7 +195,25 @@ __device__ __forceinline__ void prefill_residual_tiles(const PrefillParams& pp,
 template <class T, int K>
 __device__ __forceinline__ void prefill_residual_gemm(const PrefillParams& pp,
                                                       const u64 (&chunks)[QMK_MAX_CHUNKS],
-                                                      u32 layer, u64 a, u32 a_cols, u16* smem) {
+                                                      u32 layer, u64 a, u32 a_cols, u16* smem,
+                                                      WgStreamK& sk, u32 phase) {
+#if QMK_WGMMA
+    if constexpr (kWgShapesOk) {
+        if (!(pp.base.flags & kFlagPfMmaSync)) {
+            constexpr u32 WT = (QMK_HIDDEN + kWgRows - 1) / kWgRows;
+            if (wg_use_nt64(pp.n_tokens, WT))
+                wg_residual_tiles<64, T, K>(pp, chunks, layer, a, a_cols, wg_smem_base(smem), sk,
+                                            phase);
+            else
+                wg_residual_tiles<128, T, K>(pp, chunks, layer, a, a_cols, wg_smem_base(smem), sk,
+                                             phase);
+            return;
+        }
+    }
+#else
+    (void)sk;
+    (void)phase;
+#endif
     constexpr u32 NT = (QMK_HIDDEN + kGemmBN - 1) / kGemmBN;
     if (gemm_use_bm64(pp.n_tokens, NT, gridDim.x))
         prefill_residual_tiles<64, T, K>(pp, chunks, layer, a, a_cols, smem);
@@ -114,7 +241,22 @@ __device__ __forceinline__ void prefill_gate_up_tiles(const PrefillParams& pp, u
     }
 }
 
-__device__ __forceinline__ void prefill_gate_up(const PrefillParams& pp, u32 layer, u16* smem) {
+__device__ __forceinline__ void prefill_gate_up(const PrefillParams& pp, u32 layer, u16* smem,
+                                                WgStreamK& sk) {
+#if QMK_WGMMA
+    if constexpr (kWgShapesOk) {
+        if (!(pp.base.flags & kFlagPfMmaSync)) {
+            constexpr u32 WT = (QMK_INTER + kWgRows / 2 - 1) / (kWgRows / 2);
+            if (wg_use_nt64(pp.n_tokens, WT))
+                wg_gate_up_tiles<64>(pp, layer, wg_smem_base(smem), sk);
+            else
+                wg_gate_up_tiles<128>(pp, layer, wg_smem_base(smem), sk);
+            return;
+        }
+    }
+#else
+    (void)sk;
+#endif
     constexpr u32 NT = (QMK_INTER + kGemmBN / 2 - 1) / (kGemmBN / 2);
     if (gemm_use_bm64(pp.n_tokens, NT, gridDim.x))
         prefill_gate_up_tiles<64>(pp, layer, smem);

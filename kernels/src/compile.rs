@@ -45,6 +45,24 @@ impl Arch {
         Ok(Arch(n))
     }
 
+    /// Hopper (sm_90): the megakernel is compiled for the arch-specific
+    /// target sm_90a, whose wgmma instructions the prefill GEMM uses
+    /// (kernels/cuda/prefill_wgmma.cuh). Such a cubin loads on compute
+    /// capability 9.0 only.
+    pub fn has_wgmma(self) -> bool {
+        self.0 == 90
+    }
+
+    /// The NVRTC `--gpu-architecture` value: `sm_90a` on Hopper, else
+    /// `sm_XY`.
+    pub fn target(self) -> String {
+        if self.has_wgmma() {
+            format!("{self}a")
+        } else {
+            self.to_string()
+        }
+    }
+
     /// Largest opt-in shared memory per CTA, bytes (for early, clear errors).
     pub fn max_smem_per_cta(self) -> u32 {
         match self.0 {
@@ -227,7 +245,7 @@ impl Compiler {
     /// NVRTC options for `arch`.
     pub fn options(&self, arch: Arch) -> Vec<String> {
         let mut o = vec![
-            format!("--gpu-architecture={arch}"),
+            format!("--gpu-architecture={}", arch.target()),
             "-std=c++17".to_string(),
             "--ptxas-options=-v".to_string(),
             // A device-only translation unit: unannotated constexpr helpers
@@ -288,7 +306,7 @@ impl Compiler {
             source::MAIN.1,
             &build.headers(),
             &self.options(arch),
-            &arch.to_string(),
+            &arch.target(),
         )?;
         let mut cubin = Cubin {
             arch,

@@ -33,8 +33,23 @@ pub struct KernelBuild {
     pub barriers_per_step: u32,
     /// Dynamic shared memory per CTA of the prefill kernel, bytes.
     pub prefill_smem_bytes: u32,
+    /// The same on archs with the wgmma prefill GEMM ([`crate::Arch::has_wgmma`]);
+    /// None when the model's shapes do not fit that path (a K not a
+    /// multiple of [`PREFILL_WGMMA_TILE`]'s K step), which then uses the
+    /// mma.sync GEMM there too.
+    pub prefill_smem_bytes_wgmma: Option<u32>,
     /// Grid barriers per prefill chunk (8 per layer + 1).
     pub prefill_barriers: u32,
+}
+
+impl KernelBuild {
+    /// Dynamic shared memory of the prefill kernel as compiled for `arch`.
+    pub fn prefill_smem_for(&self, arch: crate::Arch) -> u32 {
+        match self.prefill_smem_bytes_wgmma {
+            Some(b) if arch.has_wgmma() => b,
+            _ => self.prefill_smem_bytes,
+        }
+    }
 }
 
 /// Prefill GEMM tile (kernels/cuda/prefill_gemm.cuh): largest rows x
@@ -52,6 +67,22 @@ pub const PREFILL_GEMM_STAGES: u64 = 4;
 pub fn prefill_smem_bytes(h: u64) -> u64 {
     let (bm, bn, _, ld) = PREFILL_GEMM_TILE;
     (PREFILL_GEMM_STAGES * (bm + bn) * ld * 2).max(h * 4)
+}
+
+/// wgmma prefill GEMM tile (kernels/cuda/prefill_wgmma.cuh, sm_90a): weight
+/// rows, largest token count and K step of one CTA tile (bf16 elements; a
+/// K step is one 128-byte swizzle row).
+pub const PREFILL_WGMMA_TILE: (u64, u64, u64) = (256, 128, 64);
+
+/// Shared-memory stages of the wgmma GEMM (`kWgStages`): 4 x 48 KB.
+pub const PREFILL_WGMMA_STAGES: u64 = 4;
+
+/// Dynamic shared memory of the prefill kernel with the wgmma GEMM: its
+/// stages plus 1 KB to align them to the swizzle period, or the final
+/// norm's f32 vector, whichever is larger.
+pub fn prefill_smem_bytes_wgmma(h: u64) -> u64 {
+    let (rows, toks, bk) = PREFILL_WGMMA_TILE;
+    (PREFILL_WGMMA_STAGES * (rows + toks) * bk * 2 + 1024).max(h * 4)
 }
 
 fn dim(field: &'static str, v: usize) -> Result<u64> {
@@ -180,6 +211,9 @@ impl KernelBuild {
             ),
         )?;
         let pf_smem = prefill_smem_bytes(h);
+        let pf_smem_wg = prefill_smem_bytes_wgmma(h);
+        let wg_k = PREFILL_WGMMA_TILE.2;
+        let wgmma_fits = h % wg_k == 0 && q % wg_k == 0 && i % wg_k == 0;
         let pf_barriers = l * 8 + 1;
         let consts: Vec<(&str, u64)> = vec![
             ("QMK_HIDDEN", h),
@@ -196,6 +230,7 @@ impl KernelBuild {
             ("QMK_THREADS_PER_CTA", THREADS_PER_CTA as u64),
             ("QMK_BARRIERS_PER_STEP", barriers),
             ("QMK_PREFILL_SMEM_BYTES", pf_smem),
+            ("QMK_PREFILL_SMEM_BYTES_WGMMA", pf_smem_wg),
             ("QMK_PREFILL_BARRIERS", pf_barriers),
             ("QMK_ATTN_TILE", ATTN_TILE),
         ];
@@ -240,6 +275,13 @@ impl KernelBuild {
                 field: "hidden_size",
                 reason: "prefill shared memory size overflows".into(),
             })?,
+            prefill_smem_bytes_wgmma: match wgmma_fits {
+                true => Some(u32::try_from(pf_smem_wg).map_err(|_| KernelsError::Config {
+                    field: "hidden_size",
+                    reason: "prefill shared memory size overflows".into(),
+                })?),
+                false => None,
+            },
             prefill_barriers: pf_barriers as u32,
         })
     }
@@ -276,5 +318,13 @@ mod tests {
         // vector (8192 f32) is larger.
         assert_eq!(prefill_smem_bytes(896), 81_920);
         assert_eq!(prefill_smem_bytes(8192), 81_920);
+        // 4 stages x (256 + 128) rows x 128 B + 1 KB alignment slack.
+        assert_eq!(prefill_smem_bytes_wgmma(896), 197_632);
+        for preset in ["0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b"] {
+            let b = KernelBuild::new(&Config::preset(preset).unwrap()).unwrap();
+            assert_eq!(b.prefill_smem_bytes_wgmma, Some(197_632), "{preset}");
+            assert_eq!(b.prefill_smem_for(crate::Arch::SM90), 197_632);
+            assert_eq!(b.prefill_smem_for(crate::Arch::SM89), 81_920);
+        }
     }
 }

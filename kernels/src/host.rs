@@ -75,11 +75,12 @@ pub struct GpuOptions {
 pub const DEFAULT_PREFILL_CHUNK: u32 = 2048;
 
 /// Default [`GpuOptions::prefill_min_tokens`]: the shortest prompt that goes
-/// through the prefill kernel. Measured on the H200 (NOTES.md, prefill v2):
-/// a launch costs ~3.3 ms at 0.5B and ~16.2 ms at 7B for 1-64 tokens, a
-/// decode step 0.68-0.74 / 3.95 ms per token, so step by step wins up to 4
-/// tokens (2.7 vs 3.3 ms; 15.8 vs 16.4 ms) and the kernel from 5 on.
-pub const DEFAULT_PREFILL_MIN_TOKENS: usize = 5;
+/// through the prefill kernel. Measured on the H200 (NOTES.md, prefill v3
+/// final pass, `*_threshold` tests): a launch costs ~1.9 ms at 0.5B and
+/// ~7.1 ms at 7B for 1-16 tokens, a decode step 0.70 / 3.97 ms per token,
+/// so the kernel wins from 3 tokens at 0.5B (1.9 vs 2.1 ms) and from 2 at
+/// 7B; 3 serves both.
+pub const DEFAULT_PREFILL_MIN_TOKENS: usize = 3;
 
 impl Default for GpuOptions {
     fn default() -> Self {
@@ -269,6 +270,22 @@ pub enum PrefillBuffer {
     Qb,
     /// `[T, I]` bf16.
     Hb,
+    /// Stream-K scratch of the wgmma GEMM ([`stream_k_bytes`]).
+    StreamK,
+}
+
+/// Weight rows x tokens of the largest wgmma GEMM tile
+/// (`qmk::kWgRows` x `qmk::kWgTokMax`).
+pub const STREAM_K_TILE_ELEMS: u64 = 256 * 128;
+
+/// Bytes of the stream-K scratch for a grid of `grid` CTAs: one f32 partial
+/// tile per CTA, then a u64 launch nonce and one u64 flag per CTA
+/// (kernels/cuda/prefill_wgmma.cuh, `WgStreamK`).
+pub fn stream_k_bytes(grid: u32) -> Result<u64> {
+    let g = u64::from(grid);
+    g.checked_mul(STREAM_K_TILE_ELEMS * 4)
+        .and_then(|t| t.checked_add((g + 1) * 8))
+        .ok_or_else(|| overflow("the stream-K scratch"))
 }
 
 impl PrefillBuffer {
@@ -281,6 +298,7 @@ impl PrefillBuffer {
             PrefillBuffer::Qkv => "prefill qkv",
             PrefillBuffer::Qb => "prefill qb",
             PrefillBuffer::Hb => "prefill hb",
+            PrefillBuffer::StreamK => "prefill stream-K scratch",
         }
     }
 }
@@ -294,6 +312,7 @@ pub fn set_prefill_buffer(params: &mut PrefillParams, buffer: PrefillBuffer, add
         PrefillBuffer::Qkv => &mut params.qkv,
         PrefillBuffer::Qb => &mut params.qb,
         PrefillBuffer::Hb => &mut params.hb,
+        PrefillBuffer::StreamK => &mut params.sk,
     };
     *field = addr;
 }
@@ -536,6 +555,7 @@ impl MemoryPlan {
                 (PrefillBuffer::Qkv, rows(qkv_cols, 4)?),
                 (PrefillBuffer::Qb, rows(config.q_dim(), 2)?),
                 (PrefillBuffer::Hb, rows(config.intermediate_size, 2)?),
+                (PrefillBuffer::StreamK, stream_k_bytes(grid)?),
             ];
         }
         let total = buffers
@@ -1146,6 +1166,8 @@ mod tests {
         assert_eq!(size(PrefillBuffer::Act), 512 * 3584 * 4);
         assert_eq!(size(PrefillBuffer::Qkv), 512 * (3584 + 2 * 512) * 4);
         assert_eq!(size(PrefillBuffer::Hb), 512 * 18944 * 2);
+        // 132 partial tiles of 256 x 128 f32, then nonce + 132 flags.
+        assert_eq!(size(PrefillBuffer::StreamK), 132 * 131_072 + 133 * 8);
         let extra: u64 = on.prefill.iter().map(|&(_, b)| b).sum();
         assert_eq!(on.total_bytes, off.total_bytes + extra);
         let e = MemoryPlan::new_with_prefill(&config, 16, 132, Some(17)).unwrap_err();

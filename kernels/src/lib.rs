@@ -26,7 +26,10 @@ pub use compile::{
     default_cache_dir, include_dirs, parse_ptxas_log, Arch, Compiler, Cubin, Resources,
 };
 pub use error::{KernelsError, Result};
-pub use header::{prefill_smem_bytes, KernelBuild, PREFILL_GEMM_TILE, WARPS_PER_CTA};
+pub use header::{
+    prefill_smem_bytes, prefill_smem_bytes_wgmma, KernelBuild, PREFILL_GEMM_TILE,
+    PREFILL_WGMMA_TILE, WARPS_PER_CTA,
+};
 pub use nvrtc::Nvrtc;
 pub use params::{
     HostStatus, KernelParams, PrefillParams, ProbeFillParams, ProbeParams, StreamParams, SyncState,

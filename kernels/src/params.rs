@@ -54,6 +54,15 @@ pub const FLAG_ATTN_NO_SPLIT: u32 = 32;
 /// positions on, the v1 path below). `FLAG_ATTN_NO_SPLIT` wins over it.
 pub const FLAG_ATTN_FORCE_SPLIT: u32 = 64;
 
+/// [`KernelParams::flags`], A/B for the prefill kernel on sm_90a: the
+/// mma.sync GEMM (kernels/cuda/prefill_gemm.cuh) instead of the wgmma one
+/// (prefill_wgmma.cuh). No effect on other archs or on the decode kernel.
+pub const FLAG_PF_MMA_SYNC: u32 = 1 << 18;
+
+/// [`KernelParams::flags`], A/B for the wgmma prefill GEMM: every tile
+/// data-parallel (no stream-K split of the last wave).
+pub const FLAG_PF_NO_STREAM_K: u32 = 1 << 19;
+
 /// Cached positions (`pos + 1`) from which the split attention is the
 /// default (`qmk::kAttnSplitMinContext`).
 pub const ATTN_SPLIT_MIN_CONTEXT: u32 = 512;
@@ -127,6 +136,9 @@ pub struct PrefillParams {
     pub qkv: u64,    // [T, Q + 2 KV] f32
     pub qb: u64,     // [T, Q] bf16 rotated queries
     pub hb: u64,     // [T, I] bf16 silu(gate) * up
+    /// Stream-K scratch of the wgmma GEMM: [G] partial tiles, then the
+    /// launch nonce and [G] flags ([`crate::host::stream_k_bytes`]).
+    pub sk: u64,
     pub n_tokens: u32,
     pub start: u32,
     pub max_tokens: u32,
@@ -275,7 +287,7 @@ pub fn params_check_header() -> String {
         "static_assert(QMK_MAX_CHUNKS == {MAX_CHUNKS}, \"QMK_MAX_CHUNKS differs from Rust MAX_CHUNKS\");\n"
     ));
     out.push_str(&format!(
-        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagBarrierFenced == {FLAG_BARRIER_FENCED}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagWarpMajor == {FLAG_WARP_MAJOR}u && qmk::kFlagCtaMajor == {FLAG_CTA_MAJOR}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n"
+        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagBarrierFenced == {FLAG_BARRIER_FENCED}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagWarpMajor == {FLAG_WARP_MAJOR}u && qmk::kFlagCtaMajor == {FLAG_CTA_MAJOR}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kFlagPfMmaSync == {FLAG_PF_MMA_SYNC}u && qmk::kFlagPfNoStreamK == {FLAG_PF_NO_STREAM_K}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n"
     ));
     out.push_str(&format!(
         "static_assert(qmk::kErrBarrierTimeout == {}u && qmk::kErrAborted == {}u && qmk::kErrBadToken == {}u && qmk::kErrBadPos == {}u, \"error codes differ\");\n",
@@ -332,7 +344,7 @@ pub fn params_check_header() -> String {
         "qmk::PrefillParams",
         "PrefillParams",
         PrefillParams,
-        [tokens, act, xa, qkv, qb, hb, n_tokens, start, max_tokens, reserved]
+        [tokens, act, xa, qkv, qb, hb, sk, n_tokens, start, max_tokens, reserved]
     );
     out.push_str(
         "static_assert(qmk::kPhasePfNorm == 8u && qmk::kPhasePfDown == 15u, \"prefill phases differ\");\n",
@@ -446,7 +458,7 @@ mod tests {
         assert!(size_of::<KernelParams>() <= 4096);
         assert_eq!(
             size_of::<PrefillParams>(),
-            size_of::<KernelParams>() + 6 * 8 + 4 * 4
+            size_of::<KernelParams>() + 7 * 8 + 4 * 4
         );
         assert!(size_of::<PrefillParams>() <= 4096);
         assert_eq!(offset_of!(PrefillParams, base), 0);

@@ -25,6 +25,10 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("trap_probe.cuh", include_str!("../cuda/trap_probe.cuh")),
     ("prefill_mma.cuh", include_str!("../cuda/prefill_mma.cuh")),
     ("prefill_gemm.cuh", include_str!("../cuda/prefill_gemm.cuh")),
+    (
+        "prefill_wgmma.cuh",
+        include_str!("../cuda/prefill_wgmma.cuh"),
+    ),
     ("prefill_norm.cuh", include_str!("../cuda/prefill_norm.cuh")),
     ("prefill_rope.cuh", include_str!("../cuda/prefill_rope.cuh")),
     (

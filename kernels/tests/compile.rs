@@ -102,8 +102,9 @@ fn prefill_kernel_is_in_the_cubin() {
             .find(|r| r.function == qmk_kernels::source::entry::PREFILL_CHUNK)
             .unwrap_or_else(|| panic!("{preset}: no prefill kernel in the ptxas report"));
         println!(
-            "{preset:>5} sm_90 prefill: {r}, + {} B dynamic smem, {} barriers/chunk",
-            build.prefill_smem_bytes, build.prefill_barriers
+            "{preset:>5} sm_90a prefill: {r}, + {} B dynamic smem, {} barriers/chunk",
+            build.prefill_smem_for(Arch::SM90),
+            build.prefill_barriers
         );
         assert!(r.registers > 0 && r.registers <= 128, "{r}");
     }

@@ -242,6 +242,8 @@ def main():
     ap.add_argument("--runs", type=int, default=3, help="timed generate runs per shape")
     ap.add_argument("--json-out", help="write the table as JSON here")
     ap.add_argument("--selftest", action="store_true", help="check the table code; no GPU")
+    ap.add_argument("--ttft-only", action="store_true",
+                    help="prefill (time to first token) only: 0.5B and 7B, no decode")
     a = ap.parse_args()
     if a.selftest:
         selftest()
@@ -255,7 +257,9 @@ def main():
     hf_decode, hf_ttft, skipped, errors = {}, {}, set(), []
     # Rough seconds each shape needs (build + warm-up + runs + prefill).
     need = {"0.5b": 18, "7b": 25, "14b": 35}
-    for p in ("0.5b", "7b", "14b"):
+    if a.ttft_only:
+        need = {"0.5b": 8, "7b": 15}
+    for p in need:
         if left() < need[p]:
             skipped.add(("decode", p))
             for n in PROMPT_LENS:
@@ -267,8 +271,9 @@ def main():
             t = time.perf_counter()
             m = build_model(p)
             print(f"HF {p}: built in {time.perf_counter() - t:.1f} s", flush=True)
-            hf_decode[p] = time_decode(m, a.runs)
-            print(f"HF {p}: decode {hf_decode[p]:.2f} tok/s", flush=True)
+            if not a.ttft_only:
+                hf_decode[p] = time_decode(m, a.runs)
+                print(f"HF {p}: decode {hf_decode[p]:.2f} tok/s", flush=True)
             for n in PROMPT_LENS:
                 if (p, n) in LLAMA_TTFT_MS:
                     hf_ttft[(p, n)] = time_ttft(m, n)

@@ -37,17 +37,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,tem
 names=()
 for spec in $PARTS; do
   IFS=: read -r p m b <<< "$spec"
-  names+=("$p")
+  names+=("$p-${m:-run}")
   t0=$(date +%s)
   mkdir -p "$LOGDIR/$p"
+  # Each part's stdout is kept (one file per part and mode).
   if [[ -n ${b:-} ]]; then
-    BUDGET=$b bash "scripts/gpu/$p.sh" "${m:-run}" > "$LOGDIR/$p/stdout.log" 2>&1
+    BUDGET=$b bash "scripts/gpu/$p.sh" "${m:-run}" > "$LOGDIR/$p/stdout-${m:-run}.log" 2>&1
   else
-    bash "scripts/gpu/$p.sh" "${m:-run}" > "$LOGDIR/$p/stdout.log" 2>&1
+    bash "scripts/gpu/$p.sh" "${m:-run}" > "$LOGDIR/$p/stdout-${m:-run}.log" 2>&1
   fi
   echo "$spec rc=$? wall=$(( $(date +%s) - t0 ))s" | tee -a "$LOGDIR/parts.txt"
   # The summary is the tail of each part's output.
-  tail -${SUMMARY_LINES:-40} "$LOGDIR/$p/stdout.log" > "$OUT/summary-$p.txt"
+  tail -${SUMMARY_LINES:-40} "$LOGDIR/$p/stdout-${m:-run}.log" > "$OUT/summary-$p-${m:-run}.txt"
   tar czf "$OUT/logs.tgz" -C "$LOGDIR" .
 done
 echo "== summaries"

@@ -5,7 +5,7 @@
 #
 #   Here (Rust, no GPU):  bash scripts/gpu/prefill.sh build
 #       -> .carry/prefill/{qwen-mk,prefill-tests} (stripped, git-ignored)
-#   GPU machine:          bash scripts/gpu/prefill.sh [run|all|tests|sanitize|bench]
+#   GPU machine:          bash scripts/gpu/prefill.sh [run|all|final|quick|debug|profile|tests|sanitize|bench]
 #       with carry: [".carry/prefill"]; logs under $LOGDIR/prefill/
 #       (LOGDIR defaults to $PWD/gpu-out).
 #
@@ -46,6 +46,10 @@ for l in sys.stdin:
     if m.get("reason")=="compiler-artifact" and m["target"]["name"]=="prefill" and m.get("executable"): print(m["executable"])' | tail -1)
   rm -rf "$CARRY"; mkdir -p "$CARRY"
   cp target/release/qwen-mk "$CARRY/qwen-mk"; cp "$bin" "$CARRY/prefill-tests"
+  # Reference files written here (REF_DIR, default /tmp/qmk-ref) ride along.
+  if ls "${REF_DIR:-/tmp/qmk-ref}"/*.bin >/dev/null 2>&1; then
+    mkdir -p "$CARRY/ref"; cp "${REF_DIR:-/tmp/qmk-ref}"/*.bin "$CARRY/ref/"
+  fi
   strip "$CARRY/qwen-mk" "$CARRY/prefill-tests"
   du -sh "$CARRY"
   exit 0
@@ -85,16 +89,17 @@ tests() {
   while read -r x; do summary+=("    ${x:0:160}"); done < <(grep -E "panicked|^test .*FAILED" "$LOG/$name.log" | head -3)
 }
 
-# bench PRESET N CHUNK NEED LIMIT: qwen-mk bench --prefill, JSON appended
-# to $LOG/bench.jsonl.
+# bench PRESET N CHUNK NEED LIMIT [FLAGS]: qwen-mk bench --prefill, JSON
+# appended to $LOG/bench.jsonl (FLAGS: --kernel-flags, e.g. 262144 =
+# FLAG_PF_MMA_SYNC, the mma.sync GEMM instead of wgmma on sm_90a).
 bench() {
-  local preset=$1 n=$2 c=$3 need=$4 lim=$5
+  local preset=$1 n=$2 c=$3 need=$4 lim=$5 flags=${6:-0}
   local l; l=$(left)
   if (( l < need )); then summary+=("SKIP bench $preset n=$n chunk=$c (budget: ${l}s left)"); return; fi
   (( lim > l )) && lim=$l
-  echo "-- bench --preset $preset --prefill $n --prefill-chunk $c" >> "$LOG/bench.log"
+  echo "-- bench --preset $preset --prefill $n --prefill-chunk $c --kernel-flags $flags" >> "$LOG/bench.log"
   timeout -k 5 "$lim" "$CARRY/qwen-mk" bench --preset "$preset" --backend cudarc \
-    --prefill "$n" --prefill-chunk "$c" --json > "$LOG/.bench.out" 2>> "$LOG/bench.log"
+    --prefill "$n" --prefill-chunk "$c" --kernel-flags "$flags" --json > "$LOG/.bench.out" 2>> "$LOG/bench.log"
   local rc=$?
   cat "$LOG/.bench.out" >> "$LOG/bench.log"
   grep ttft_ms "$LOG/.bench.out" >> "$LOG/bench.jsonl"
@@ -120,6 +125,108 @@ if [[ $MODE == run || $MODE == all ]]; then
   bench 0.5b 512 256 6 30
 fi
 
+# quick: correctness (0.5B, 7B 17 / 512) and time to first token; AB=1
+# adds the mma.sync GEMM (FLAG_PF_MMA_SYNC) at 7B for the wgmma A/B.
+if [[ $MODE == quick ]]; then
+  : > "$LOG/bench.jsonl"; : > "$LOG/bench.log"
+  tests t1-0.5b 20 90 a_errors_and_continuation b_0_5b_prompt_1:: b_0_5b_prompt_17 b_0_5b_prompt_512
+  bench 0.5b 512 512 6 60
+  bench 0.5b 2048 2048 6 30
+  bench 7b 512 512 12 120
+  bench 7b 2048 2048 12 40
+  [[ ${AB:-0} == 1 ]] && bench 7b 512 512 12 40 262144
+  [[ ${AB:-0} == 1 ]] && bench 7b 2048 2048 12 40 262144
+  tests t2-7b 45 90 c_7b_prompt_512 c_7b_prompt_17
+  tests t3-stream-k 20 90 d_stream_k
+fi
+
+# profile: where the time goes (bench --prefill --profile: each phase
+# skipped in turn), 7B and 0.5B.
+if [[ $MODE == profile ]]; then
+  : > "$LOG/profile.log"
+  for spec in ${PROFILE_RUNS:-7b:2048:2048 7b:512:512 0.5b:2048:2048 0.5b:512:512}; do
+    IFS=: read -r pr n c <<< "$spec"
+    echo "-- bench --preset $pr --prefill $n --prefill-chunk $c --profile" >> "$LOG/profile.log"
+    timeout -k 5 120 "$CARRY/qwen-mk" bench --preset "$pr" --backend cudarc --prefill "$n" \
+      --prefill-chunk "$c" --profile --kernel-flags "${FLAGS:-0}" >> "$LOG/profile.log" 2>&1 \
+      || summary+=("FAIL profile $spec")
+  done
+  grep -E "^--|time to first|profile" "$LOG/profile.log" | tail -40
+fi
+
+# final: every correctness case on both backends (7B at 3,000 tokens
+# against the reference file carried in $CARRY/ref, written here by
+# `write_reference`, see crates/backend-cust/tests/prefill.rs), the
+# stream-K vs data-parallel agreement, the TTFT table, the 7B profiles with
+# the in-process GEMM A/B, and HF eager in the same run.
+if [[ $MODE == final ]]; then
+  : > "$LOG/bench.jsonl"; : > "$LOG/bench.log"; : > "$LOG/profile.log"
+  tests f1-0.5b 30 150 a_errors_and_continuation b_0_5b_prompt_1:: b_0_5b_prompt_17 b_0_5b_prompt_512 b_0_5b_prompt_3000
+  tests f2-7b 40 150 c_7b_prompt_1:: c_7b_prompt_17 c_7b_prompt_512
+  tests f3-stream-k 20 120 d_stream_k
+  if [[ -f $CARRY/ref/7b-3000.bin ]]; then
+    export QMK_PREFILL_REF_DIR=$CARRY/ref
+    tests f4-7b-3000 20 120 c_7b_prompt_3000
+    unset QMK_PREFILL_REF_DIR
+  else
+    summary+=("SKIP tests 7b 3000: no $CARRY/ref/7b-3000.bin")
+  fi
+  bench 0.5b 512 512 6 60
+  bench 0.5b 2048 2048 6 60
+  bench 7b 512 512 12 60
+  bench 7b 2048 2048 12 60
+  tests f5-threshold 20 90 b_0_5b_threshold::cudarc c_7b_threshold::cudarc
+  for spec in 7b:2048:2048 7b:512:512; do
+    IFS=: read -r pr n c <<< "$spec"
+    (( $(left) < 25 )) && { summary+=("SKIP profile $spec (budget)"); continue; }
+    echo "-- bench --preset $pr --prefill $n --prefill-chunk $c --profile" >> "$LOG/profile.log"
+    timeout -k 5 90 "$CARRY/qwen-mk" bench --preset "$pr" --backend cudarc --prefill "$n" \
+      --prefill-chunk "$c" --profile >> "$LOG/profile.log" 2>&1 || summary+=("FAIL profile $spec")
+  done
+  # Decode after the sm_90a switch (the decode kernel is in the same cubin).
+  for pr in 0.5b 7b; do
+    timeout -k 5 60 "$CARRY/qwen-mk" bench --preset "$pr" --backend cudarc --json >> "$LOG/decode.jsonl" 2>> "$LOG/bench.log" \
+      || summary+=("FAIL decode bench $pr")
+  done
+  while read -r x; do summary+=("$x"); done < <(python3 -c 'import json,sys
+for l in open(sys.argv[1]):
+    v=json.loads(l); print("decode %s: %.1f tok/s, %.1f %% of floor" % (v["preset"], v["tok_per_s"], v.get("pct_of_floor", float("nan"))))' "$LOG/decode.jsonl" 2>/dev/null)
+  hb=$(( $(left) - 10 )); (( hb > 90 )) && hb=90
+  if (( hb >= 30 )); then
+    timeout -k 5 $(( hb + 20 )) python3 "$ROOT/scripts/gpu/hf_side_by_side.py" --ttft-only --budget "$hb" \
+      --json-out "$LOG/hf.json" "$LOG/bench.jsonl" > "$LOG/hf.log" 2>&1
+    summary+=("hf_side_by_side rc=$? (log prefill/hf.log)")
+  else
+    summary+=("SKIP hf_side_by_side (budget: ${hb}s)")
+  fi
+  grep -E "^--|time to first|profile" "$LOG/profile.log" | tail -30
+  tail -12 "$LOG/hf.log" 2>/dev/null
+fi
+
+# debug: the small correctness cases on each GEMM path (QMK_TEST_KERNEL_FLAGS:
+# 0 = wgmma + stream-K, 524288 = no stream-K, 262144 = mma.sync), the
+# stream-K A/B benches, memcheck of the 1-token case.
+if [[ $MODE == debug ]]; then
+  : > "$LOG/bench.jsonl"; : > "$LOG/bench.log"
+  for f in 0 524288 262144; do
+    export QMK_TEST_KERNEL_FLAGS=$f; tests "dbg-0.5b-f$f" 10 90 b_0_5b_prompt_1:: b_0_5b_prompt_17
+  done
+  bench 7b 2048 2048 12 150
+  bench 7b 2048 2048 12 60 524288
+  bench 7b 512 512 12 60
+  bench 7b 512 512 12 60 524288
+  bench 7b 64 64 12 60
+  bench 0.5b 512 512 6 60
+  bench 0.5b 512 512 6 60 524288
+  export QMK_TEST_KERNEL_FLAGS=0; tests dbg-7b-f0 30 120 c_7b_prompt_17::cudarc
+  if [[ -x /usr/local/cuda/bin/compute-sanitizer ]] && (( $(left) > 60 )); then
+    timeout $(( $(left) - 5 )) /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+      "$CARRY/prefill-tests" --test-threads=1 --nocapture --exact b_0_5b_prompt_1::cudarc \
+      > "$LOG/memcheck.log" 2>&1
+    summary+=("memcheck rc=$?: $(grep -h 'ERROR SUMMARY' "$LOG/memcheck.log" | tail -1)")
+  fi
+fi
+
 if [[ $MODE == tests ]]; then
   if [[ -n ${TEST_FILTER:-} ]]; then
     filt=("$TEST_FILTER")
@@ -133,14 +240,18 @@ if [[ $MODE == tests ]]; then
 fi
 
 if [[ $MODE == sanitize ]]; then
-  # memcheck on the small case (0.5B, 3 decode steps + 40 prompt positions
-  # in chunks of 16): out-of-bounds fragment loads show up here first.
+  # memcheck on small cases: 0.5B, 3 decode steps + 40 prompt positions in
+  # chunks of 16 (out-of-bounds fragment loads show up here first), and
+  # the 17-token prompt (its down projection runs stream-K: partials,
+  # flags, nonce).
   if [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
-    timeout ${T_SAN:-300} /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
-      "$CARRY/prefill-tests" --test-threads=1 --nocapture --exact a_errors_and_continuation::cudarc \
-      > "$LOG/memcheck.log" 2>&1
-    rc=$?
-    summary+=("$([[ $rc == 0 ]] && echo PASS || echo FAIL) memcheck rc=$rc: $(grep -h 'ERROR SUMMARY' "$LOG/memcheck.log" | tail -1)")
+    for t in ${SAN_TESTS:-a_errors_and_continuation::cudarc b_0_5b_prompt_17::cudarc}; do
+      timeout ${T_SAN:-300} /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+        "$CARRY/prefill-tests" --test-threads=1 --nocapture --exact "$t" \
+        > "$LOG/memcheck-$t.log" 2>&1
+      rc=$?
+      summary+=("$([[ $rc == 0 ]] && echo PASS || echo FAIL) memcheck $t rc=$rc: $(grep -h 'ERROR SUMMARY' "$LOG/memcheck-$t.log" | tail -1)")
+    done
   else
     summary+=("SKIP memcheck: no compute-sanitizer")
   fi
@@ -177,5 +288,6 @@ for l in open(sys.argv[1]):
     except Exception: continue
     t = tgt.get((v["preset"], v["prefill_tokens"]))
     mark = "" if t is None else ("  < target %.1f" % t if v["ttft_ms"] < t else "  >= target %.1f" % t)
-    print("TTFT %4s n=%4d chunk=%4d: %7.2f ms (%5.1f TFLOP/s)%s" % (v["preset"], v["prefill_tokens"], v["chunk"], v["ttft_ms"], v["tflops"], mark))
+    fl = v.get("kernel_flags", 0)
+    print("TTFT %4s n=%4d chunk=%4d%s: %7.2f ms (%5.1f TFLOP/s)%s" % (v["preset"], v["prefill_tokens"], v["chunk"], " flags=%d" % fl if fl else "", v["ttft_ms"], v["tflops"], mark))
 EOF

@@ -2,10 +2,13 @@
 # Lane-level simulation of the prefill kernel's tensor-core data flow, checked
 # exact against numpy (integer-valued data), no GPU: (1) prefill_gemm.cuh
 # gemm_tile: cp.async loader, padded smem stages, ldmatrix.x4, mma m16n8k16,
-# epilogue mapping, for BM 64/128, NB 1/2, ragged T / N; (2)
-# prefill_attention.cuh: the permuted 16-byte Q / K / V fragment loads and
-# the output stores, D = 64 and 128. Needs numpy. Keep it in step with the
-# kernel: python3 scripts/gpu/prefill_sim.py
+# epilogue mapping, for BM 64/128, NB 1/2, ragged T / N (the mma.sync path:
+# pre-Hopper GPUs and FLAG_PF_MMA_SYNC); (2) prefill_wgmma.cuh wg_phase: the
+# stream-K partition and its owner / partial bookkeeping. (The attention's
+# v2 permuted-load layout it once checked is gone: v3 reads K / V through
+# ldmatrix from shared memory, checked on the GPU against the CPU
+# reference.) Needs numpy. Keep it in step with the kernel:
+# python3 scripts/gpu/prefill_sim.py
 # Simulates prefill_gemm.cuh's gemm_tile data flow (loader -> smem ->
 # ldmatrix -> mma -> epilogue) lane by lane, against X . W^T.
 import numpy as np
@@ -120,80 +123,48 @@ for BM in (64, 128):
             print(f"BM={BM} NB={NB} K={K} t_end={t_end} m0={m0} n0={n0} n_end={n_end}: {c} outputs exact")
 
 
-# ---- prefill_attention.cuh: the permuted 16-byte Q / K / V fragment loads
-def mma_a(acc, a, b0, b1):
-    A = np.full((16, 16), np.nan); B = np.full((16, 8), np.nan)
-    for l in range(32):
-        g, c = l >> 2, l & 3
-        A[g, 2*c:2*c+2] = a[l][0]; A[g+8, 2*c:2*c+2] = a[l][1]
-        A[g, 2*c+8:2*c+10] = a[l][2]; A[g+8, 2*c+8:2*c+10] = a[l][3]
-        B[2*c:2*c+2, g] = b0[l]; B[2*c+8:2*c+10, g] = b1[l]
-    assert not np.isnan(A).any() and not np.isnan(B).any()
-    C = A @ B
-    for l in range(32):
-        g, c = l >> 2, l & 3
-        acc[l] += np.array([C[g, 2*c], C[g, 2*c+1], C[g+8, 2*c], C[g+8, 2*c+1]])
+# ---- prefill_wgmma.cuh wg_phase: the stream-K partition (no numpy). Every
+# (tile, K step) computed exactly once; the owner of each split tile (the range
+# holding its K step 0) collects exactly the partials of the later ranges of
+# that tile, in CTA order; no CTA publishes two partials in one phase.
+def stream_k(tiles, KT, G, min_split=16):
+    ms = max(1, KT // min_split)
+    gsk = min(G, tiles * ms)
+    iters = tiles * KT
+    rs = lambda b: (iters * b) // gsk
+    cover, contrib, owners = {}, {}, {}
+    for c in range(gsk):
+        s, e = rs(c), rs(c + 1)
+        it = s
+        while it < e:
+            r, kb = divmod(it, KT)
+            ke = min(KT, kb + (e - it))
+            for k in range(kb, ke):
+                cover[(r, k)] = cover.get((r, k), 0) + 1
+            if kb != 0:
+                assert c not in contrib, ("two partials", tiles, KT, G, c)
+                contrib[c] = (r, kb, ke)
+            else:
+                got = []
+                if ke < KT:
+                    for b in range(c + 1, gsk):
+                        bs = rs(b)
+                        if bs >= (r + 1) * KT: break
+                        if rs(b + 1) == bs: continue
+                        got.append(b)
+                owners[r] = (got, ke)
+            it += ke - kb
+    for r in range(tiles):
+        assert all(cover.get((r, k)) == 1 for k in range(KT)), (tiles, KT, G, r)
+        got, ke = owners[r]
+        assert got == sorted(b for b, x in contrib.items() if x[0] == r), (tiles, KT, G, r)
+        ks = sorted(k for b in got for k in range(contrib[b][1], contrib[b][2]))
+        assert ks == list(range(ke, KT)), (tiles, KT, G, r)
 
-def words(v):  # uint4 of 8 bf16 -> 4 words (lo, hi)
-    return [(v[2*i], v[2*i+1]) for i in range(4)]
-
-def run(D, seed=0):
-    rng = np.random.default_rng(seed)
-    SPLIT = 2 if D > 64 else 1; DN = D // 8 // SPLIT; DP = D // 32
-    Q = rng.integers(-3, 4, size=(16, D)).astype(float)
-    K = rng.integers(-3, 4, size=(16, D)).astype(float)
-    V = rng.integers(-3, 4, size=(16, D)).astype(float)
-    # S
-    qa = [[None] * (2 * DP) for _ in range(32)]
-    for l in range(32):
-        g, c = l >> 2, l & 3
-        for pb in range(DP):
-            ra = words(Q[g, pb*32 + 8*c: pb*32 + 8*c + 8]); rb = words(Q[g+8, pb*32 + 8*c: pb*32 + 8*c + 8])
-            qa[l][2*pb] = [ra[0], rb[0], ra[1], rb[1]]
-            qa[l][2*pb+1] = [ra[2], rb[2], ra[3], rb[3]]
-    s = [np.zeros((32, 4)) for _ in range(2)]
-    for nt in range(2):
-        kvw = []
-        for l in range(32):
-            g, c = l >> 2, l & 3
-            key = nt * 8 + g
-            kvw.append(words(K[key, :])[0:0] or [words(K[key, pb*32 + 8*c: pb*32 + 8*c + 8]) for pb in range(DP)])
-        for pb in range(DP):
-            mma_a(s[nt], [qa[l][2*pb] for l in range(32)], [kvw[l][pb][0] for l in range(32)], [kvw[l][pb][1] for l in range(32)])
-            mma_a(s[nt], [qa[l][2*pb+1] for l in range(32)], [kvw[l][pb][2] for l in range(32)], [kvw[l][pb][3] for l in range(32)])
-    S = Q @ K.T
-    for nt in range(2):
-        for l in range(32):
-            g, c = l >> 2, l & 3
-            want = [S[g, nt*8 + 2*c], S[g, nt*8 + 2*c + 1], S[g+8, nt*8 + 2*c], S[g+8, nt*8 + 2*c + 1]]
-            assert np.array_equal(s[nt][l], want), (nt, l, s[nt][l], want)
-    # P V with P = S (no softmax: the mapping is what is checked)
-    for dh in range(SPLIT):
-        dcol = dh * (D // SPLIT)
-        o = [np.zeros((32, 4)) for _ in range(DN)]
-        pa = [[(s[0][l][0], s[0][l][1]), (s[0][l][2], s[0][l][3]), (s[1][l][0], s[1][l][1]), (s[1][l][2], s[1][l][3])] for l in range(32)]
-        vrows = []
-        for l in range(32):
-            g, c = l >> 2, l & 3
-            k0 = 2 * c; k8 = k0 + 8
-            vrows.append([V[k, dcol + 8*g: dcol + 8*g + 8] for k in (k0, k0 + 1, k8, k8 + 1)])
-        for j in range(DN):
-            b0 = [(vrows[l][0][j], vrows[l][1][j]) for l in range(32)]
-            b1 = [(vrows[l][2][j], vrows[l][3][j]) for l in range(32)]
-            mma_a(o[j], pa, b0, b1)
-        O = S @ V
-        out = np.full((16, D), np.nan)
-        for l in range(32):
-            g, c = l >> 2, l & 3
-            for r, t in ((0, g), (1, g + 8)):
-                lo = [None] * 8; hi = [None] * 8
-                for j in range(0, DN, 2):
-                    lo[j] = o[j][l][2*r]; lo[j+1] = o[j+1][l][2*r]
-                    hi[j] = o[j][l][2*r+1]; hi[j+1] = o[j+1][l][2*r+1]
-                col = dcol + 16 * c
-                assert np.isnan(out[t, col:col+16]).all()
-                out[t, col:col+8] = lo; out[t, col+8:col+16] = hi
-        assert np.array_equal(out[:, dcol:dcol + D // SPLIT], O[:, dcol:dcol + D // SPLIT]), D
-    print(f"D={D}: S and O exact (SPLIT={SPLIT})")
-
-run(64); run(128)
+n = 0
+for tiles in range(1, 132):
+    for KT in (14, 56, 76, 296, 462):
+        for G in (132, 66, 7):
+            if tiles < G:
+                stream_k(tiles, KT, G); n += 1
+print(f"stream-K partition: {n} (tiles, K steps, grid) cases exact")

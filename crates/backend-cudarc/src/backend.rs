@@ -238,9 +238,10 @@ impl CudarcBackend {
             None => None,
             Some(_) => {
                 let f = get(entry::PREFILL_CHUNK)?;
-                if build.prefill_smem_bytes > info.max_smem_optin {
+                let pf_smem = build.prefill_smem_for(info.arch);
+                if pf_smem > info.max_smem_optin {
                     return Err(Error::SharedMemory {
-                        needed: build.prefill_smem_bytes,
+                        needed: pf_smem,
                         available: info.max_smem_optin,
                         device: format!("{} ({})", info.name, info.arch),
                     });
@@ -250,7 +251,7 @@ impl CudarcBackend {
                     result::function::set_function_attribute(
                         f,
                         sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        build.prefill_smem_bytes as i32,
+                        pf_smem as i32,
                     )
                 }
                 .map_err(drv("cuFuncSetAttribute"))?;
@@ -259,7 +260,7 @@ impl CudarcBackend {
                     result::occupancy::max_active_block_per_multiprocessor(
                         f,
                         THREADS_PER_CTA as i32,
-                        build.prefill_smem_bytes as usize,
+                        pf_smem as usize,
                     )
                 }
                 .map_err(drv("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
@@ -275,14 +276,14 @@ impl CudarcBackend {
                     occ,
                     info.sms,
                     Some(launch.ctas_per_sm),
-                    build.prefill_smem_bytes,
+                    pf_smem,
                     regs,
                 )
                 .ok_or_else(|| Error::Launch {
                     device: info.name.clone(),
                     reason: format!(
                         "no prefill CTA of {THREADS_PER_CTA} threads with {} B shared memory fits on an SM",
-                        build.prefill_smem_bytes
+                        pf_smem
                     ),
                 })?;
                 Some((f, l))

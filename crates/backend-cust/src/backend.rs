@@ -242,9 +242,10 @@ impl CustBackend {
             None => None,
             Some(_) => {
                 let f = get(entry::PREFILL_CHUNK)?;
-                if build.prefill_smem_bytes > info.max_smem_optin {
+                let pf_smem = build.prefill_smem_for(info.arch);
+                if pf_smem > info.max_smem_optin {
                     return Err(Error::SharedMemory {
-                        needed: build.prefill_smem_bytes,
+                        needed: pf_smem,
                         available: info.max_smem_optin,
                         device: device_name,
                     });
@@ -252,15 +253,15 @@ impl CustBackend {
                 set_func_attr(
                     f,
                     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    build.prefill_smem_bytes as i32,
+                    pf_smem as i32,
                 )?;
-                let occ = occupancy(f, build.prefill_smem_bytes)?;
+                let occ = occupancy(f, pf_smem)?;
                 let regs = get_func_attr(f, CU_FUNC_ATTRIBUTE_NUM_REGS).unwrap_or(0) as u32;
                 let l = LaunchInfo::from_occupancy(
                     occ,
                     info.sms,
                     Some(launch.ctas_per_sm),
-                    build.prefill_smem_bytes,
+                    pf_smem,
                     regs,
                 )
                 .ok_or_else(|| Error::Launch {
@@ -268,7 +269,7 @@ impl CustBackend {
                     reason: format!(
                         "no prefill CTA of {} threads with {} B shared memory fits on an SM (occupancy {occ})",
                         qmk_kernels::THREADS_PER_CTA,
-                        build.prefill_smem_bytes
+                        pf_smem
                     ),
                 })?;
                 Some((f, l))

@@ -13,17 +13,23 @@
 //!   2. the KV cache of positions 0..N (every layer, K and V) within 1e-2
 //!      relative error of the reference's cache;
 //!   3. then 32 greedy decode steps (the decode megakernel) whose ids equal
-//!      the reference's.
+//!      the reference's, up to near-ties (MAX_TIES steps where the
+//!      reference's own top two logits are closer than the tolerance; the
+//!      reference's id is fed on and reported).
 //!
-//! Plus a threshold table per preset (`*_threshold`): host wall time of
-//! step-by-step vs batched prefill at 1, 4, 16, 64 tokens, to set
-//! `DEFAULT_PREFILL_MIN_TOKENS` from; it fails if the two paths' logits
-//! differ by more than the tolerance.
+//! `d_stream_k_*`: the wgmma GEMM's stream-K schedule against the same
+//! kernel data-parallel (GPU vs GPU: layer 0 to 1e-3, the rest to TOL). Plus a threshold table per
+//! preset (`*_threshold`): host wall time of step-by-step vs batched prefill
+//! at 1, 4, 16, 64 tokens, to set `DEFAULT_PREFILL_MIN_TOKENS` from; it
+//! fails if the two paths' logits differ by more than the tolerance.
+//! `QMK_TEST_KERNEL_FLAGS` runs everything on another GEMM path.
 //!
 //! On the GPU machine, from the prebuilt binary (scripts/gpu/prefill.sh):
-//! `prefill-tests --test-threads=1 --nocapture [filter]`. `prefill.sh run`
-//! leaves out `c_7b_prompt_3000` (its CPU reference prefill is ~40 TFLOP,
-//! minutes on 16 cores); `FULL=1 prefill.sh tests` runs it.
+//! `prefill-tests --test-threads=1 --nocapture [filter]`. The 7B 3,000-token
+//! reference is ~40 TFLOP of CPU work: `write_reference` computes it on the
+//! build machine into `QMK_PREFILL_REF_DIR` (~25 min on 2 cores),
+//! `prefill.sh build` carries it and `prefill.sh final` points the test at
+//! it; without a file the test computes the reference itself (minutes).
 
 #[macro_use]
 mod common;
@@ -50,12 +56,25 @@ fn chunk() -> u32 {
         .unwrap_or(256)
 }
 
+/// `QMK_TEST_KERNEL_FLAGS` (decimal): kernel flags for every backend these
+/// tests open, e.g. 262144 (`FLAG_PF_MMA_SYNC`) or 524288
+/// (`FLAG_PF_NO_STREAM_K`) to run the same checks on another GEMM path.
+fn test_kernel_flags() -> u32 {
+    std::env::var("QMK_TEST_KERNEL_FLAGS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
 /// A CUDA backend with the prefill kernel enabled, and its test hooks.
 trait Pf: Backend + Sized {
     const NAME: &'static str;
     fn open(w: &Weights, capacity: usize, chunk: u32) -> Result<Self, Self::Error>;
     fn describe(&self) -> String;
     fn kv_cache(&mut self) -> Result<(Vec<u16>, Vec<u16>), Self::Error>;
+    fn set_flags(&mut self, mask: u32, on: bool);
+    /// The prefill kernel runs the wgmma GEMM (sm_90a).
+    fn has_wgmma(&self) -> bool;
     /// `GpuOptions::prefill_min_tokens` (1: every prompt through the
     /// kernel; usize::MAX: one decode step per token).
     fn set_min_tokens(&mut self, n: usize);
@@ -73,7 +92,9 @@ macro_rules! impl_pf {
                     prefill_min_tokens: 1,
                     ..Default::default()
                 };
-                <$ty>::new(w, opts, &mut ())
+                let mut b = <$ty>::new(w, opts, &mut ())?;
+                b.set_kernel_flags(test_kernel_flags(), true);
+                Ok(b)
             }
             fn set_min_tokens(&mut self, n: usize) {
                 self.set_prefill_min_tokens(n);
@@ -88,7 +109,7 @@ macro_rules! impl_pf {
                     .map(|r| r.to_string())
                     .unwrap_or_default();
                 format!(
-                    "{}: {} ({}), decode grid {} x {}; prefill grid {} ({} CTA/SM of max {}), {} B dyn smem, {} regs, chunk {chunk}; {pf}",
+                    "{}: {} ({}), decode grid {} x {}; prefill grid {} ({} CTA/SM of max {}), {} B dyn smem, {} regs, chunk {chunk}, kernel flags {}; {pf}",
                     $name,
                     self.device().name,
                     self.arch(),
@@ -98,11 +119,18 @@ macro_rules! impl_pf {
                     pl.ctas_per_sm,
                     pl.max_ctas_per_sm,
                     pl.smem_bytes,
-                    pl.registers
+                    pl.registers,
+                    test_kernel_flags()
                 )
             }
             fn kv_cache(&mut self) -> Result<(Vec<u16>, Vec<u16>), Self::Error> {
                 self.read_kv_cache()
+            }
+            fn set_flags(&mut self, mask: u32, on: bool) {
+                self.set_kernel_flags(mask, on);
+            }
+            fn has_wgmma(&self) -> bool {
+                self.arch().has_wgmma()
             }
         }
     };
@@ -134,10 +162,41 @@ fn bf16(bits: u16) -> f32 {
 struct RefPrefill {
     tokens: Vec<u32>,
     logits: Vec<f32>,
+    /// The cache positions whose K / V rows `k` and `v` hold, per layer
+    /// ([L, positions, KV]): all of 0..N when computed here, every
+    /// REF_FILE_KV_STRIDE-th (and the last) in a reference file.
+    positions: Vec<usize>,
     k: Vec<f32>,
     v: Vec<f32>,
     ids: Vec<u32>,
+    /// Per id: the reference's top-1 minus top-2 logit, and the rms of its
+    /// logits (a near-tie is a margin below TOL x rms).
+    margins: Vec<(f32, f32)>,
 }
+
+/// Top-1 minus top-2 logit, and the rms of the logits.
+fn margin(logits: &[f32]) -> (f32, f32) {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    let mut ss = 0f64;
+    for &x in logits {
+        ss += (x as f64).powi(2);
+        if x > a {
+            b = a;
+            a = x;
+        } else if x > b {
+            b = x;
+        }
+    }
+    (a - b, (ss / logits.len().max(1) as f64).sqrt() as f32)
+}
+
+/// Greedy decoding may meet the reference at a near-tie: the two paths
+/// agree to TOL (relative), so where the reference's own top two logits are
+/// closer than TOL x rms(logits), either pick is within tolerance. Such a
+/// step is a tie: it is reported, the reference's id is fed on (teacher
+/// forcing) and comparing continues. At most MAX_TIES per run; a differing
+/// id at any other step fails.
+const MAX_TIES: usize = 2;
 
 fn capacity(n: usize) -> usize {
     n + GREEDY_STEPS + 1
@@ -153,6 +212,161 @@ fn reference(preset: &str, n: usize, w: &Arc<Weights>) -> Arc<RefPrefill> {
     if let Some(r) = cache.lock().unwrap().get(&key) {
         return r.clone();
     }
+    if let Some(r) = load_reference(preset, n, w) {
+        let r = Arc::new(r);
+        cache.lock().unwrap().insert(key, r.clone());
+        return r;
+    }
+    let r = Arc::new(compute_reference(preset, n, w));
+    cache.lock().unwrap().insert(key, r.clone());
+    r
+}
+
+/// Positions per sampled KV row in a reference file.
+const REF_FILE_KV_STRIDE: usize = 47;
+const REF_FILE_MAGIC: &[u8; 8] = b"QMKPREF1";
+
+/// `QMK_PREFILL_REF_DIR/<preset>-<n>.bin`: a CPU reference computed
+/// elsewhere (`write_reference`, below), for cases whose reference takes
+/// minutes (7B at 3,000 tokens is ~40 TFLOP): written on the build machine,
+/// carried to the GPU machine. Same numbers as computing it here, KV rows
+/// sampled every REF_FILE_KV_STRIDE positions (and the last).
+fn ref_file(preset: &str, n: usize) -> Option<std::path::PathBuf> {
+    let dir = std::env::var_os("QMK_PREFILL_REF_DIR")?;
+    Some(std::path::Path::new(&dir).join(format!("{preset}-{n}.bin")))
+}
+
+fn load_reference(preset: &str, n: usize, w: &Weights) -> Option<RefPrefill> {
+    let path = ref_file(preset, n)?;
+    let bytes = std::fs::read(&path).ok()?;
+    let mut at = 0usize;
+    let mut take = |len: usize| -> &[u8] {
+        let s = &bytes[at..at + len];
+        at += len;
+        s
+    };
+    assert_eq!(
+        take(8),
+        REF_FILE_MAGIC,
+        "{}: not a reference file",
+        path.display()
+    );
+    let mut u32s = |k: usize| -> Vec<u32> {
+        take(4 * k)
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    let head = u32s(6);
+    let [fn_, vocab, n_pos, kv_len, n_ids, seed_ok] = head[..] else {
+        unreachable!()
+    };
+    assert!(
+        fn_ as usize == n && vocab as usize == w.config.vocab_size && seed_ok == SEED as u32,
+        "{}: written for another case",
+        path.display()
+    );
+    let tokens = u32s(n);
+    let positions: Vec<usize> = u32s(n_pos as usize)
+        .into_iter()
+        .map(|p| p as usize)
+        .collect();
+    let ids = u32s(n_ids as usize);
+    let floats = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    let rest = &bytes[8 + 4 * (6 + n + n_pos as usize + n_ids as usize)..];
+    let (lg, rest) = rest.split_at(4 * vocab as usize);
+    let (k, rest) = rest.split_at(4 * kv_len as usize);
+    let (v, rest) = rest.split_at(4 * kv_len as usize);
+    let m = floats(rest);
+    assert_eq!(m.len(), 2 * n_ids as usize, "{}: truncated", path.display());
+    println!(
+        "{preset}: CPU reference of {n} tokens from {}",
+        path.display()
+    );
+    Some(RefPrefill {
+        tokens,
+        logits: floats(lg),
+        positions,
+        k: floats(k),
+        v: floats(v),
+        ids,
+        margins: m.chunks_exact(2).map(|c| (c[0], c[1])).collect(),
+    })
+}
+
+/// Writes the reference of (QMK_REF_PRESET, QMK_REF_N) into
+/// QMK_PREFILL_REF_DIR (no GPU needed; `cargo test --release --test prefill
+/// -- --ignored write_reference`).
+#[test]
+#[ignore = "writes a CPU reference file; run by hand (see ref_file)"]
+fn write_reference() {
+    let preset = std::env::var("QMK_REF_PRESET").unwrap_or_else(|_| "7b".into());
+    let n: usize = std::env::var("QMK_REF_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3000);
+    let path = ref_file(&preset, n).expect("set QMK_PREFILL_REF_DIR");
+    let w = weights(&preset);
+    let r = compute_reference(&preset, n, &w);
+    let kv = w.config.kv_dim();
+    let layers = w.config.num_hidden_layers;
+    let mut pos: Vec<usize> = (0..n).step_by(REF_FILE_KV_STRIDE).collect();
+    if pos.last() != Some(&(n - 1)) {
+        pos.push(n - 1);
+    }
+    let pick = |c: &[f32]| -> Vec<f32> {
+        let mut out = Vec::with_capacity(layers * pos.len() * kv);
+        for l in 0..layers {
+            for &p in &pos {
+                let i = (l * n + p) * kv;
+                out.extend_from_slice(&c[i..i + kv]);
+            }
+        }
+        out
+    };
+    let (k, v) = (pick(&r.k), pick(&r.v));
+    let mut b = Vec::new();
+    b.extend_from_slice(REF_FILE_MAGIC);
+    for x in [
+        n,
+        w.config.vocab_size,
+        pos.len(),
+        k.len(),
+        r.ids.len(),
+        SEED as usize,
+    ] {
+        b.extend_from_slice(&(x as u32).to_le_bytes());
+    }
+    for &t in &r.tokens {
+        b.extend_from_slice(&t.to_le_bytes());
+    }
+    for &p in &pos {
+        b.extend_from_slice(&(p as u32).to_le_bytes());
+    }
+    for &t in &r.ids {
+        b.extend_from_slice(&t.to_le_bytes());
+    }
+    for x in r.logits.iter().chain(&k).chain(&v) {
+        b.extend_from_slice(&x.to_le_bytes());
+    }
+    for &(m, rms) in &r.margins {
+        b.extend_from_slice(&m.to_le_bytes());
+        b.extend_from_slice(&rms.to_le_bytes());
+    }
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(&path, &b).unwrap();
+    println!("wrote {} ({} bytes)", path.display(), b.len());
+    let back = load_reference(&preset, n, &w).unwrap();
+    assert_eq!(back.ids, r.ids);
+    assert_eq!(back.logits, r.logits);
+    assert_eq!(back.k, k);
+}
+
+fn compute_reference(preset: &str, n: usize, w: &Arc<Weights>) -> RefPrefill {
     let t = Instant::now();
     let tokens = prompt(n, w.config.vocab_size);
     let cap = capacity(n);
@@ -166,25 +380,96 @@ fn reference(preset: &str, n: usize, w: &Arc<Weights>) -> Arc<RefPrefill> {
     }
     let t_prefill = t.elapsed().as_secs_f64();
     let mut ids = Vec::with_capacity(GREEDY_STEPS + 1);
+    let mut margins = vec![margin(&logits)];
     let mut tok = argmax(&logits);
     for i in 0..GREEDY_STEPS {
         ids.push(tok);
-        tok = argmax(&cpu.step(tok, n + i).unwrap());
+        let l = cpu.step(tok, n + i).unwrap();
+        margins.push(margin(&l));
+        tok = argmax(&l);
     }
     ids.push(tok);
     println!(
         "{preset}: CPU reference, prefill of {n} tokens in {t_prefill:.1} s, {GREEDY_STEPS} steps in {:.1} s",
         t.elapsed().as_secs_f64() - t_prefill
     );
-    let r = Arc::new(RefPrefill {
+    RefPrefill {
         tokens,
         logits,
+        positions: (0..n).collect(),
         k,
         v,
         ids,
-    });
-    cache.lock().unwrap().insert(key, r.clone());
-    r
+        margins,
+    }
+}
+
+/// The wgmma GEMM's stream-K split (kernels/cuda/prefill_wgmma.cuh,
+/// `wg_phase`) against the same kernel with every tile data-parallel
+/// (`FLAG_PF_NO_STREAM_K`), GPU against GPU. Only the f32 summation order
+/// of the split tiles differs, so layers 0 and 1 of the KV cache (layer 0:
+/// the split q/k/v GEMM; layer 1: also layer 0's split o_proj and down)
+/// agree: layer 0 to 1e-3 (measured 0 to 6e-5), layer 1 and everything
+/// after only to the CPU tolerance, because a bf16 rounding that flips
+/// anywhere in layer 0 (norm, attention, SiLU x up outputs) grows through
+/// the random-weight layers to the bf16 noise level (measured: layer 1
+/// 0.5-3.5e-3, last layer 3-7e-3, the size of GPU vs CPU). A lost or
+/// doubled partial is off by ~1/splits of a row, far above both bounds.
+/// Skips (saying so) on GPUs without the wgmma path.
+fn stream_k_matches_data_parallel<B: Pf>(preset: &str, n: usize) {
+    let test = format!("{preset} {} stream-K vs data-parallel, {n} tokens", B::NAME);
+    let Some(_g) = gpu_or_skip(&test) else { return };
+    let w = weights(preset);
+    let tokens = prompt(n, w.config.vocab_size);
+    let mut gpu = B::open(&w, capacity(n), chunk())
+        .unwrap_or_else(|e| panic!("{test}: opening the backend: {e}"));
+    if !gpu.has_wgmma() {
+        println!("SKIPPED {test}: no wgmma prefill GEMM on this GPU");
+        return;
+    }
+    let mut run = |flags: u32| {
+        gpu.reset().unwrap();
+        gpu.set_flags(qmk_kernels::params::FLAG_PF_NO_STREAM_K, flags != 0);
+        let out = gpu.prefill(&tokens, 0).unwrap();
+        let lg = gpu.logits().unwrap();
+        let (k, v) = gpu.kv_cache().unwrap();
+        let f = |c: &[u16]| c.iter().map(|&b| bf16(b)).collect::<Vec<f32>>();
+        (out.argmax, lg, f(&k), f(&v))
+    };
+    let (a0, l0, k0, v0) = run(0);
+    let (a1, l1, k1, v1) = run(1);
+    let (el, ek, ev) = (rel_err(&l0, &l1), rel_err(&k0, &k1), rel_err(&v0, &v1));
+    // Layers 0 and 1, positions 0..n.
+    let (cap, kv) = (capacity(n), w.config.kv_dim());
+    let early = |c: &[f32], l: usize| c[l * cap * kv..(l * cap + n) * kv].to_vec();
+    let e01: Vec<(f64, f64)> = (0..2)
+        .map(|l| {
+            (
+                rel_err(&early(&k0, l), &early(&k1, l)),
+                rel_err(&early(&v0, l), &early(&v1, l)),
+            )
+        })
+        .collect();
+    let e01s: Vec<String> = e01
+        .iter()
+        .map(|(k, v)| format!("{k:.2e} / {v:.2e}"))
+        .collect();
+    println!(
+        "{test}: layers 0, 1 K / V rel diff {e01s:?}; all layers K {ek:.3e}, V {ev:.3e}, logits {el:.3e}; picks {a0} / {a1}"
+    );
+    const SAME: f64 = 1e-3;
+    assert!(
+        e01[0].0 <= SAME && e01[0].1 <= SAME,
+        "{test}: layer 0 of the two GEMM schedules differs by more than {SAME}"
+    );
+    assert!(
+        e01[1].0 <= TOL && e01[1].1 <= TOL,
+        "{test}: layer 1 of the two GEMM schedules differs by more than {TOL}"
+    );
+    assert!(
+        el <= TOL && ek <= TOL && ev <= TOL,
+        "{test}: the two GEMM schedules differ by more than {TOL}"
+    );
 }
 
 /// Prefill of N tokens vs the CPU reference: last logits, KV cache, then 32
@@ -220,10 +505,12 @@ fn prefill_matches_reference<B: Pf>(preset: &str, n: usize) {
     let (kc, vc) = gpu.kv_cache().unwrap();
     let (layers, kv) = (w.config.num_hidden_layers, w.config.kv_dim());
     let rows = |c: &[u16]| -> Vec<f32> {
-        let mut out = Vec::with_capacity(layers * n * kv);
+        let mut out = Vec::with_capacity(layers * r.positions.len() * kv);
         for l in 0..layers {
-            let base = l * cap * kv;
-            out.extend(c[base..base + n * kv].iter().map(|&b| bf16(b)));
+            for &p in &r.positions {
+                let base = (l * cap + p) * kv;
+                out.extend(c[base..base + kv].iter().map(|&b| bf16(b)));
+            }
         }
         out
     };
@@ -233,20 +520,37 @@ fn prefill_matches_reference<B: Pf>(preset: &str, n: usize) {
     assert!(e_v <= TOL, "{test}: V cache rel. err {e_v:.3e} > {TOL}");
 
     let mut ids = Vec::with_capacity(GREEDY_STEPS + 1);
+    let mut ties = Vec::new();
     let mut tok = out.argmax;
-    for i in 0..GREEDY_STEPS {
+    for i in 0..=GREEDY_STEPS {
+        if tok != r.ids[i] {
+            let (m, rms) = r.margins[i];
+            assert!(
+                m <= TOL as f32 * rms && ties.len() < MAX_TIES,
+                "{test}: greedy id {tok} differs from the reference's {} at step {i} (reference margin {m:.4} vs tie bound {:.4}, ties so far {ties:?}):\n gpu {ids:?} + {tok}\n cpu {:?}",
+                r.ids[i],
+                TOL as f32 * rms,
+                r.ids
+            );
+            ties.push(i);
+            tok = r.ids[i];
+        }
         ids.push(tok);
-        tok = gpu.step(tok, n + i).unwrap().argmax;
+        if i < GREEDY_STEPS {
+            tok = gpu.step(tok, n + i).unwrap().argmax;
+        }
     }
-    ids.push(tok);
-    let first_diff = ids.iter().zip(&r.ids).position(|(a, b)| a != b);
-    assert!(
-        first_diff.is_none(),
-        "{test}: greedy ids differ from the reference at step {first_diff:?}:\n gpu {ids:?}\n cpu {:?}",
-        r.ids
-    );
+    let tie_note = if ties.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " ({} near-tie(s) at steps {ties:?}, reference margins {:?})",
+            ties.len(),
+            ties.iter().map(|&i| r.margins[i].0).collect::<Vec<_>>()
+        )
+    };
     println!(
-        "{test}: logits rel err {e_logits:.3e}, K {e_k:.3e}, V {e_v:.3e}, {} greedy ids equal; prefill wall {:.2} ms (host clock, incl. upload of the ids)",
+        "{test}: logits rel err {e_logits:.3e}, K {e_k:.3e}, V {e_v:.3e}, {} greedy ids equal{tie_note}; prefill wall {:.2} ms (host clock, incl. upload of the ids)",
         ids.len(),
         wall * 1e3
     );
@@ -364,5 +668,13 @@ both!(c_7b_prompt_1, prefill_matches_reference, "7b", 1);
 both!(c_7b_prompt_17, prefill_matches_reference, "7b", 17);
 both!(c_7b_prompt_512, prefill_matches_reference, "7b", 512);
 both!(c_7b_prompt_3000, prefill_matches_reference, "7b", 3000);
+both!(
+    d_stream_k_0_5b_512,
+    stream_k_matches_data_parallel,
+    "0.5b",
+    512
+);
+both!(d_stream_k_7b_17, stream_k_matches_data_parallel, "7b", 17);
+both!(d_stream_k_7b_512, stream_k_matches_data_parallel, "7b", 512);
 both!(b_0_5b_threshold, prefill_threshold_table, "0.5b");
 both!(c_7b_threshold, prefill_threshold_table, "7b");

@@ -321,12 +321,56 @@ fn print_report(a: &BenchArgs, r: &BenchReport, l: &LaunchInfo, profile: &[(Stri
     );
 }
 
+/// Prefill phases in skip-bit order (`qmk_prefill_chunk`, kernels/cuda/prefill.cuh).
+const PREFILL_PHASES: [&str; 6] = ["qkv", "attention", "o_proj", "gate_up", "down", "lm_head"];
+
 /// `bench --prefill N`: time to first token.
 fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
     let tokens = synthetic_prompt(n, backend.config().vocab_size);
+    // --kernel-flags reach the prefill kernel too (e.g. FLAG_PF_MMA_SYNC).
+    backend.set_kernel_flags(a.kernel_flags, true);
     let r = backend
         .bench_prefill(&tokens, a.prefill_reps)
         .with_context(|| format!("bench --prefill {n} --preset {}", a.preset))?;
+    // --profile: the same prefill with one phase skipped at a time (every
+    // barrier kept; the results are garbage); full - skipped is the phase.
+    let mut profile: Vec<(&str, f64)> = Vec::new();
+    if a.profile {
+        for (i, name) in PREFILL_PHASES.iter().enumerate() {
+            backend.set_kernel_flags(u32::MAX, false);
+            backend.set_kernel_flags(
+                a.kernel_flags | (1 << (qmk_kernels::params::SKIP_SHIFT + i as u32)),
+                true,
+            );
+            let s = backend
+                .bench_prefill(&tokens, a.prefill_reps)
+                .with_context(|| format!("bench --prefill {n} --profile, {name} skipped"))?;
+            profile.push((name, r.ms_median - s.ms_median));
+        }
+        backend.set_kernel_flags(u32::MAX, false);
+        backend.set_kernel_flags(
+            a.kernel_flags | (0x3f << qmk_kernels::params::SKIP_SHIFT),
+            true,
+        );
+        let s = backend
+            .bench_prefill(&tokens, a.prefill_reps)
+            .with_context(|| format!("bench --prefill {n} --profile, every phase skipped"))?;
+        profile.push(("rest", s.ms_median));
+        // In-process A/B of the GEMM paths (absolute times).
+        for (name, flag) in [
+            ("ab_no_stream_k", qmk_kernels::params::FLAG_PF_NO_STREAM_K),
+            ("ab_mma_sync", qmk_kernels::params::FLAG_PF_MMA_SYNC),
+        ] {
+            backend.set_kernel_flags(u32::MAX, false);
+            backend.set_kernel_flags(a.kernel_flags | flag, true);
+            let s = backend
+                .bench_prefill(&tokens, a.prefill_reps)
+                .with_context(|| format!("bench --prefill {n} --profile, {name}"))?;
+            profile.push((name, s.ms_median));
+        }
+        backend.set_kernel_flags(u32::MAX, false);
+        backend.set_kernel_flags(a.kernel_flags, true);
+    }
     let pf = backend
         .resources()
         .into_iter()
@@ -336,6 +380,7 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
             "preset": a.preset,
             "backend": a.backend,
             "device": r.device,
+            "profile_ms": profile.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
             "prefill_tokens": r.tokens,
             "chunk": r.chunk,
             "launches": r.launches,
@@ -348,6 +393,7 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
             "registers": r.registers,
             "smem_bytes": r.smem_bytes,
             "barriers_per_launch": r.barriers_per_launch,
+            "kernel_flags": a.kernel_flags,
             "spill_stores": pf.as_ref().map(|x| x.spill_stores),
             "spill_loads": pf.as_ref().map(|x| x.spill_loads),
         });
@@ -368,6 +414,15 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
         );
         if let Some(x) = pf {
             println!("  ptxas: {x}");
+        }
+        for (name, ms) in &profile {
+            let what = match *name {
+                "rest" => "every phase skipped (norms, rotary, barriers)",
+                "ab_no_stream_k" => "whole prefill, FLAG_PF_NO_STREAM_K",
+                "ab_mma_sync" => "whole prefill, FLAG_PF_MMA_SYNC",
+                _ => "full - skipped",
+            };
+            println!("  profile {name:<10} {ms:>10.3} ms  ({what})");
         }
     }
     Ok(())
