@@ -8,6 +8,10 @@
 //   down    act[T, H] += hb . Wd^T                   (residual add)
 // Every output element is written by exactly one thread.
 //
+// On sm_90a (unless kFlagPfMmaSync) the same four phases run on wgmma
+// (prefill_wgmma.cuh): NT-token x 256-weight-row tiles (wg_use_nt64), a
+// phase of fewer tiles than half the grid split stream-K (wg_phase).
+//
 // Tile order is column-major (tile = n_tile * mt + m_tile): the CTAs of a
 // wave share few weight tiles, each read from HBM once and by the other
 // row tiles from L2 (7B gate/up is 271 MB a layer: row-major order re-read

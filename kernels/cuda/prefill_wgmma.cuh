@@ -58,6 +58,8 @@ constexpr bool kWgShapesOk = QMK_HIDDEN % kWgBK == 0 && QMK_Q_DIM % kWgBK == 0 &
 // of that phase is written: no flag needs clearing, a value left by an
 // earlier or aborted launch never matches (CTA 0 bumps the nonce after the
 // launch's first grid barrier, when every CTA has read it).
+static_assert(kWgRows * kWgTokMax == QMK_STREAM_K_TILE_ELEMS,
+              "host and kernel disagree on the stream-K partial tile (host::stream_k_bytes)");
 struct WgStreamK {
     float* part;
     u64* flags;

@@ -231,6 +231,7 @@ impl KernelBuild {
             ("QMK_BARRIERS_PER_STEP", barriers),
             ("QMK_PREFILL_SMEM_BYTES", pf_smem),
             ("QMK_PREFILL_SMEM_BYTES_WGMMA", pf_smem_wg),
+            ("QMK_STREAM_K_TILE_ELEMS", crate::host::STREAM_K_TILE_ELEMS),
             ("QMK_PREFILL_BARRIERS", pf_barriers),
             ("QMK_ATTN_TILE", ATTN_TILE),
         ];
