@@ -109,6 +109,19 @@ bench() {
   fi
 }
 
+# profile PRESET:N:CHUNK NEED LIMIT: qwen-mk bench --prefill --profile
+# (each phase skipped in turn, the GEMM A/B flags), appended to
+# $LOG/profile.log; FLAGS: extra --kernel-flags.
+profile() {
+  local pr n c l; IFS=: read -r pr n c <<< "$1"
+  l=$(left)
+  if (( l < $2 )); then summary+=("SKIP profile $1 (budget: ${l}s left)"); return; fi
+  echo "-- bench --preset $pr --prefill $n --prefill-chunk $c --profile" >> "$LOG/profile.log"
+  timeout -k 5 "$3" "$CARRY/qwen-mk" bench --preset "$pr" --backend cudarc --prefill "$n" \
+    --prefill-chunk "$c" --profile --kernel-flags "${FLAGS:-0}" >> "$LOG/profile.log" 2>&1 \
+    || summary+=("FAIL profile $1")
+}
+
 if [[ $MODE == run || $MODE == all ]]; then
   : > "$LOG/bench.jsonl"; : > "$LOG/bench.log"
   tests t1-0.5b 20 60 a_errors_and_continuation b_0_5b_prompt_1:: b_0_5b_prompt_17 b_0_5b_prompt_512
@@ -145,11 +158,7 @@ fi
 if [[ $MODE == profile ]]; then
   : > "$LOG/profile.log"
   for spec in ${PROFILE_RUNS:-7b:2048:2048 7b:512:512 0.5b:2048:2048 0.5b:512:512}; do
-    IFS=: read -r pr n c <<< "$spec"
-    echo "-- bench --preset $pr --prefill $n --prefill-chunk $c --profile" >> "$LOG/profile.log"
-    timeout -k 5 120 "$CARRY/qwen-mk" bench --preset "$pr" --backend cudarc --prefill "$n" \
-      --prefill-chunk "$c" --profile --kernel-flags "${FLAGS:-0}" >> "$LOG/profile.log" 2>&1 \
-      || summary+=("FAIL profile $spec")
+    profile "$spec" 0 120
   done
   grep -E "^--|time to first|profile" "$LOG/profile.log" | tail -40
 fi
@@ -176,13 +185,7 @@ if [[ $MODE == final ]]; then
   bench 7b 512 512 12 60
   bench 7b 2048 2048 12 60
   tests f5-threshold 20 90 b_0_5b_threshold::cudarc c_7b_threshold::cudarc
-  for spec in 7b:2048:2048 7b:512:512; do
-    IFS=: read -r pr n c <<< "$spec"
-    (( $(left) < 25 )) && { summary+=("SKIP profile $spec (budget)"); continue; }
-    echo "-- bench --preset $pr --prefill $n --prefill-chunk $c --profile" >> "$LOG/profile.log"
-    timeout -k 5 90 "$CARRY/qwen-mk" bench --preset "$pr" --backend cudarc --prefill "$n" \
-      --prefill-chunk "$c" --profile >> "$LOG/profile.log" 2>&1 || summary+=("FAIL profile $spec")
-  done
+  for spec in 7b:2048:2048 7b:512:512; do profile "$spec" 25 90; done
   # Decode after the sm_90a switch (the decode kernel is in the same cubin).
   for pr in 0.5b 7b; do
     timeout -k 5 60 "$CARRY/qwen-mk" bench --preset "$pr" --backend cudarc --json >> "$LOG/decode.jsonl" 2>> "$LOG/bench.log" \

@@ -239,62 +239,51 @@ fn ref_file(preset: &str, n: usize) -> Option<std::path::PathBuf> {
 fn load_reference(preset: &str, n: usize, w: &Weights) -> Option<RefPrefill> {
     let path = ref_file(preset, n)?;
     let bytes = std::fs::read(&path).ok()?;
+    let bad = |what: &str| -> ! { panic!("{}: {what}", path.display()) };
+    if bytes.get(..8) != Some(&REF_FILE_MAGIC[..]) {
+        bad("not a reference file");
+    }
+    // After the magic, every field is a little-endian 32-bit word.
+    let words: Vec<u32> = bytes[8..]
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
     let mut at = 0usize;
-    let mut take = |len: usize| -> &[u8] {
-        let s = &bytes[at..at + len];
-        at += len;
+    let mut next = |k: usize| -> &[u32] {
+        let s = words.get(at..at + k).unwrap_or_else(|| bad("truncated"));
+        at += k;
         s
     };
-    assert_eq!(
-        take(8),
-        REF_FILE_MAGIC,
-        "{}: not a reference file",
-        path.display()
-    );
-    let mut u32s = |k: usize| -> Vec<u32> {
-        take(4 * k)
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
-            .collect()
-    };
-    let head = u32s(6);
-    let [fn_, vocab, n_pos, kv_len, n_ids, seed_ok] = head[..] else {
+    let floats = |s: &[u32]| -> Vec<f32> { s.iter().map(|&x| f32::from_bits(x)).collect() };
+    let &[fn_, vocab, n_pos, kv_len, n_ids, seed] = next(6) else {
         unreachable!()
     };
-    assert!(
-        fn_ as usize == n && vocab as usize == w.config.vocab_size && seed_ok == SEED as u32,
-        "{}: written for another case",
-        path.display()
-    );
-    let tokens = u32s(n);
-    let positions: Vec<usize> = u32s(n_pos as usize)
-        .into_iter()
-        .map(|p| p as usize)
+    if fn_ as usize != n || vocab as usize != w.config.vocab_size || seed != SEED as u32 {
+        bad("written for another case");
+    }
+    let (n_pos, kv_len, n_ids) = (n_pos as usize, kv_len as usize, n_ids as usize);
+    let tokens = next(n).to_vec();
+    let positions = next(n_pos).iter().map(|&p| p as usize).collect();
+    let ids = next(n_ids).to_vec();
+    let logits = floats(next(vocab as usize));
+    let k = floats(next(kv_len));
+    let v = floats(next(kv_len));
+    let margins = floats(next(2 * n_ids))
+        .chunks_exact(2)
+        .map(|c| (c[0], c[1]))
         .collect();
-    let ids = u32s(n_ids as usize);
-    let floats = |b: &[u8]| -> Vec<f32> {
-        b.chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect()
-    };
-    let rest = &bytes[8 + 4 * (6 + n + n_pos as usize + n_ids as usize)..];
-    let (lg, rest) = rest.split_at(4 * vocab as usize);
-    let (k, rest) = rest.split_at(4 * kv_len as usize);
-    let (v, rest) = rest.split_at(4 * kv_len as usize);
-    let m = floats(rest);
-    assert_eq!(m.len(), 2 * n_ids as usize, "{}: truncated", path.display());
     println!(
         "{preset}: CPU reference of {n} tokens from {}",
         path.display()
     );
     Some(RefPrefill {
         tokens,
-        logits: floats(lg),
+        logits,
         positions,
-        k: floats(k),
-        v: floats(v),
+        k,
+        v,
         ids,
-        margins: m.chunks_exact(2).map(|c| (c[0], c[1])).collect(),
+        margins,
     })
 }
 
@@ -329,34 +318,23 @@ fn write_reference() {
         out
     };
     let (k, v) = (pick(&r.k), pick(&r.v));
-    let mut b = Vec::new();
-    b.extend_from_slice(REF_FILE_MAGIC);
-    for x in [
-        n,
-        w.config.vocab_size,
-        pos.len(),
-        k.len(),
-        r.ids.len(),
-        SEED as usize,
-    ] {
-        b.extend_from_slice(&(x as u32).to_le_bytes());
-    }
-    for &t in &r.tokens {
-        b.extend_from_slice(&t.to_le_bytes());
-    }
-    for &p in &pos {
-        b.extend_from_slice(&(p as u32).to_le_bytes());
-    }
-    for &t in &r.ids {
-        b.extend_from_slice(&t.to_le_bytes());
-    }
-    for x in r.logits.iter().chain(&k).chain(&v) {
-        b.extend_from_slice(&x.to_le_bytes());
-    }
-    for &(m, rms) in &r.margins {
-        b.extend_from_slice(&m.to_le_bytes());
-        b.extend_from_slice(&rms.to_le_bytes());
-    }
+    // The layout load_reference reads: magic, then 32-bit words.
+    let mut words: Vec<u32> = [n, w.config.vocab_size, pos.len(), k.len(), r.ids.len()]
+        .iter()
+        .map(|&x| x as u32)
+        .collect();
+    words.push(SEED as u32);
+    words.extend(&r.tokens);
+    words.extend(pos.iter().map(|&p| p as u32));
+    words.extend(&r.ids);
+    words.extend(r.logits.iter().chain(&k).chain(&v).map(|x| x.to_bits()));
+    words.extend(
+        r.margins
+            .iter()
+            .flat_map(|&(m, rms)| [m.to_bits(), rms.to_bits()]),
+    );
+    let mut b = REF_FILE_MAGIC.to_vec();
+    b.extend(words.iter().flat_map(|x| x.to_le_bytes()));
     std::fs::create_dir_all(path.parent().unwrap()).unwrap();
     std::fs::write(&path, &b).unwrap();
     println!("wrote {} ({} bytes)", path.display(), b.len());

@@ -334,39 +334,38 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
         .with_context(|| format!("bench --prefill {n} --preset {}", a.preset))?;
     // --profile: the same prefill with one phase skipped at a time (every
     // barrier kept; the results are garbage); full - skipped is the phase.
+    // Then every phase skipped ("rest") and the GEMM A/B flags (absolute).
     let mut profile: Vec<(&str, f64)> = Vec::new();
     if a.profile {
-        for (i, name) in PREFILL_PHASES.iter().enumerate() {
+        let skip = |bits: u32| bits << qmk_kernels::params::SKIP_SHIFT;
+        let mut variants: Vec<(&str, u32, bool)> = PREFILL_PHASES
+            .iter()
+            .enumerate()
+            .map(|(i, &name)| (name, skip(1 << i), true))
+            .collect();
+        variants.extend([
+            ("rest", skip(0x3f), false),
+            (
+                "ab_no_stream_k",
+                qmk_kernels::params::FLAG_PF_NO_STREAM_K,
+                false,
+            ),
+            ("ab_mma_sync", qmk_kernels::params::FLAG_PF_MMA_SYNC, false),
+        ]);
+        for (name, flags, delta) in variants {
             backend.set_kernel_flags(u32::MAX, false);
-            backend.set_kernel_flags(
-                a.kernel_flags | (1 << (qmk_kernels::params::SKIP_SHIFT + i as u32)),
-                true,
-            );
-            let s = backend
-                .bench_prefill(&tokens, a.prefill_reps)
-                .with_context(|| format!("bench --prefill {n} --profile, {name} skipped"))?;
-            profile.push((name, r.ms_median - s.ms_median));
-        }
-        backend.set_kernel_flags(u32::MAX, false);
-        backend.set_kernel_flags(
-            a.kernel_flags | (0x3f << qmk_kernels::params::SKIP_SHIFT),
-            true,
-        );
-        let s = backend
-            .bench_prefill(&tokens, a.prefill_reps)
-            .with_context(|| format!("bench --prefill {n} --profile, every phase skipped"))?;
-        profile.push(("rest", s.ms_median));
-        // In-process A/B of the GEMM paths (absolute times).
-        for (name, flag) in [
-            ("ab_no_stream_k", qmk_kernels::params::FLAG_PF_NO_STREAM_K),
-            ("ab_mma_sync", qmk_kernels::params::FLAG_PF_MMA_SYNC),
-        ] {
-            backend.set_kernel_flags(u32::MAX, false);
-            backend.set_kernel_flags(a.kernel_flags | flag, true);
+            backend.set_kernel_flags(a.kernel_flags | flags, true);
             let s = backend
                 .bench_prefill(&tokens, a.prefill_reps)
                 .with_context(|| format!("bench --prefill {n} --profile, {name}"))?;
-            profile.push((name, s.ms_median));
+            profile.push((
+                name,
+                if delta {
+                    r.ms_median - s.ms_median
+                } else {
+                    s.ms_median
+                },
+            ));
         }
         backend.set_kernel_flags(u32::MAX, false);
         backend.set_kernel_flags(a.kernel_flags, true);
