@@ -99,6 +99,12 @@ constexpr u32 kFlagPfMmaSync = 1u << 18;
 // A/B (prefill kernel, wgmma GEMM): every tile data-parallel, no stream-K
 // split of the last wave.
 constexpr u32 kFlagPfNoStreamK = 1u << 19;
+// A/B (prefill kernel, wgmma GEMM): stream-K only for phases of fewer tiles
+// than half the grid (the v3 policy).
+constexpr u32 kFlagPfSkSmallOnly = 1u << 20;
+// A/B (prefill attention, head_dim 128): two half-D warps per head and
+// query block (the v3 attention) instead of one with Q in shared memory.
+constexpr u32 kFlagPfAttnSplitD = 1u << 21;
 // Profiling: bits kSkipShift.. skip phases (qkv, attention, o_proj, gate_up,
 // down, lm_head) while keeping every barrier; time(full) - time(skip X)
 // is what X costs. Results are garbage in these runs.

@@ -3,7 +3,8 @@
 // flash-attention style on tensor cores: no T x T matrix in memory.
 //
 // v3 (K/V tiles in shared memory, shared by a KV group's query heads).
-// CTA work item = (kv head, QB consecutive 16-query blocks). Its warps are
+// CTA work item = (kv head, QB consecutive 16-query blocks; 1 when there
+// would be fewer items than CTAs). Its warps are
 // the units (query block, query head of the group, half of D when D = 128):
 // GROUP x SPLIT x QB <= 16 warps (7B: 7 heads x 2 halves = 14 warps; 0.5B:
 // 7 heads x 2 blocks). Every unit needs the same keys, so the CTA streams
@@ -20,8 +21,12 @@
 // (row max / sum over the 4 lanes of a quad), then O += P V with P
 // re-packed from the S accumulators as an A fragment (the FA2 register
 // trick) and V fragments by ldmatrix.x4.trans. Q fragments stay in
-// registers; with D = 128 each warp keeps half of the output dims (S is then
-// computed by both halves, which keeps the warp under 128 registers).
+// registers up to D = 64. With D = 128 (v3.1) a unit is a whole head: its Q
+// block sits in shared memory and each k-step's fragment is read there by
+// ldmatrix (32 registers of Q would not fit next to the 64 of O); 7B: 7
+// heads x 2 query blocks = 14 warps per CTA. (v3 split D in halves over two
+// warps, both computing S: 1.5x the MMAs and twice the softmax; kept under
+// kFlagPfAttnSplitD for A/B.)
 // Output attn bf16 [T, Q] (in xa, pitch QMK_PF_XA_COLS), the A operand of
 // o_proj. Items in descending query order: the longest start first.
 #pragma once
@@ -34,6 +39,10 @@ static_assert(kAttnKeys % kAttnStep == 0 && kAttnStep % 16 == 0, "whole steps pe
 constexpr u32 kAttnPitch = (u32)QMK_HEAD_DIM * 2u + 16u;      // bytes per smem row
 constexpr u32 kAttnStage = 2u * kAttnKeys * kAttnPitch;      // K + V tile, bytes
 constexpr u32 kAttnSmemBytes = 2u * kAttnStage;               // two stages
+// Dynamic shared memory of the prefill kernel (prefill.cuh): the wgmma
+// stages where that path is compiled in, else the mma.sync ones.
+constexpr u32 kPfSmemAvail =
+    (QMK_WGMMA && kWgShapesOk && wg_smem_bytes() > gemm_smem_bytes()) ? wg_smem_bytes() : gemm_smem_bytes();
 
 // Four 8x8 bf16 matrices, transposed on the way (the V operand).
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
@@ -42,13 +51,20 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
                  : "r"(addr));
 }
 
-__device__ __forceinline__ void prefill_attention(const PrefillParams& pp, u32 layer, u16* smem) {
+// Shared memory of the K / V stages plus, for QSMEM, one 16-row Q block per
+// warp.
+constexpr u32 attn_smem_bytes(bool qsmem) {
+    return kAttnSmemBytes + (qsmem ? QMK_WARPS * 16u * kAttnPitch : 0u);
+}
+
+// SPLIT: units per (query block, head), each with D / SPLIT output dims.
+// QSMEM: Q fragments read from shared memory instead of kept in registers.
+template <u32 SPLIT, bool QSMEM>
+__device__ __forceinline__ void prefill_attention_t(const PrefillParams& pp, u32 layer, u16* smem) {
     const Params& p = pp.base;
     constexpr u32 D = QMK_HEAD_DIM;
     static_assert(D % 16 == 0 && D <= 128, "head_dim: a multiple of 16, at most 128");
     constexpr u32 KS = D / 16;  // k-steps of Q K^T
-    // Output dims per unit: all of them up to 64; half for D = 128.
-    constexpr u32 SPLIT = D > 64 ? 2 : 1;
     constexpr u32 DN = D / 8 / SPLIT;  // n-tiles of the output per unit
     static_assert(DN % 2 == 0, "V fragments come two n-tiles per ldmatrix.x4");
     constexpr u32 GROUP = QMK_HEADS / QMK_KV_HEADS;
@@ -57,7 +73,7 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& pp, u32 l
     constexpr u32 QB = QMK_WARPS / UPB;  // query blocks per item
     constexpr u32 CHUNKS = D * 2u / 16u;  // 16-byte chunks per K or V row
     static_assert((2u * kAttnKeys * CHUNKS) % QMK_THREADS == 0, "whole cp.async rounds");
-    static_assert(kAttnSmemBytes <= gemm_smem_bytes(), "attention stages exceed the smem");
+    static_assert(attn_smem_bytes(QSMEM) <= kPfSmemAvail, "attention stages exceed the smem");
     // Softmax in base 2: scores scaled by log2(e) / sqrt(D), exp2 (P is
     // rounded to bf16 for the P V product anyway).
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
@@ -70,12 +86,15 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& pp, u32 l
     const u32 lane = tid & 31, g = lane >> 2, c = lane & 3;
     const u32 n = pp.n_tokens, start = pp.start;
     const u32 qblocks = (n + 15) / 16;
-    const u32 groups = (qblocks + QB - 1) / QB;
+    // One query block per item when QB-block items would leave SMs idle
+    // (7B at 512 tokens: 64 items of 2 blocks on 132 SMs).
+    const u32 qbr = (QB > 1 && ((qblocks + QB - 1) / QB) * QMK_KV_HEADS < gridDim.x) ? 1u : QB;
+    const u32 groups = (qblocks + qbr - 1) / qbr;
     const u32 items = groups * QMK_KV_HEADS;
     const u32 sbase = smem_u32(smem);
 
     // This warp's unit inside an item.
-    const bool active = warp < QB * UPB;
+    const bool active = warp < qbr * UPB;
     const u32 qbl = warp / UPB, h_in = (warp / SPLIT) % GROUP, dh = warp % SPLIT;
     const u32 dcol = dh * (D / SPLIT);
 
@@ -84,7 +103,7 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& pp, u32 l
         const u32 kvh = it % QMK_KV_HEADS;
         const u32 kvcol = kvh * D;
         // Keys 0 .. kmax inclusive: up to the item's last valid query.
-        const u32 kmax = start + min((grp + 1) * QB * 16 - 1, n - 1);
+        const u32 kmax = start + min((grp + 1) * qbr * 16 - 1, n - 1);
         const u32 ntiles = kmax / kAttnKeys + 1;
 
         // Loader: K and V rows of a tile, CHUNKS 16-byte pieces each.
@@ -108,7 +127,7 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& pp, u32 l
         load_tile(0, 0);
         cp_async_commit();
 
-        const u32 blk = grp * QB + qbl;
+        const u32 blk = grp * qbr + qbl;
         const u32 t0 = blk * 16;
         const u32 h = kvh * GROUP + h_in;
         const bool unit = active && t0 < n;
@@ -118,19 +137,39 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& pp, u32 l
         // their output is dropped).
         const u32 ukmax = unit ? start + min(t0 + 15, n - 1) : 0u;
         // Q fragments, k-step ks = dims 16 ks .. + 15 (rows beyond the
-        // chunk are zero).
-        u32 qa[KS][4];
+        // chunk are zero): in registers, or (QSMEM) this warp's 16 Q rows
+        // copied to its shared-memory block (in the same cp.async group as
+        // K / V tile 0), fragments by ldmatrix.x4 in the loop: lane l
+        // addresses row l % 16, dims + 8 (l / 16).
+        constexpr u32 KSR = QSMEM ? 1 : KS;
+        u32 qa[KSR][4];
+        const u32 qs = sbase + kAttnSmemBytes + warp * 16u * kAttnPitch;
+        if constexpr (QSMEM) {
+            if (unit) {
 #pragma unroll
-        for (u32 ks = 0; ks < KS; ++ks) {
-            const size_t col = ((size_t)h * D + ks * 16 + 2 * c) * 2;
-            const bool oka = unit && ta < n, okb = unit && tb < n;
-            const char* ra = qb + (size_t)ta * QMK_Q_DIM * 2 + col;
-            const char* rb = qb + (size_t)tb * QMK_Q_DIM * 2 + col;
-            qa[ks][0] = oka ? ld_u32(ra) : 0u;
-            qa[ks][1] = okb ? ld_u32(rb) : 0u;
-            qa[ks][2] = oka ? ld_u32(ra + 16) : 0u;
-            qa[ks][3] = okb ? ld_u32(rb + 16) : 0u;
+                for (u32 i = 0; i < 16u * CHUNKS / 32u; ++i) {
+                    const u32 idx = lane + 32u * i, r = idx / CHUNKS, ch = idx % CHUNKS;
+                    const bool ok = t0 + r < n;
+                    const char* src =
+                        qb + (size_t)(ok ? t0 + r : 0u) * QMK_Q_DIM * 2 + ((size_t)h * D + ch * 8u) * 2;
+                    cp_async16(qs + r * kAttnPitch + ch * 16u, src, ok ? 16u : 0u);
+                }
+            }
+            cp_async_commit();
+        } else {
+#pragma unroll
+            for (u32 ks = 0; ks < KS; ++ks) {
+                const size_t col = ((size_t)h * D + ks * 16 + 2 * c) * 2;
+                const bool oka = unit && ta < n, okb = unit && tb < n;
+                const char* ra = qb + (size_t)ta * QMK_Q_DIM * 2 + col;
+                const char* rb = qb + (size_t)tb * QMK_Q_DIM * 2 + col;
+                qa[ks][0] = oka ? ld_u32(ra) : 0u;
+                qa[ks][1] = okb ? ld_u32(rb) : 0u;
+                qa[ks][2] = oka ? ld_u32(ra + 16) : 0u;
+                qa[ks][3] = okb ? ld_u32(rb + 16) : 0u;
+            }
         }
+        const u32 q_lane = qs + (lane & 15u) * kAttnPitch + (lane >> 4) * 16u;
         float o[DN][4];
 #pragma unroll
         for (u32 j = 0; j < DN; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
@@ -162,14 +201,17 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& pp, u32 l
 #pragma unroll
                 for (u32 nt = 0; nt < NTS; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
-                for (u32 ks = 0; ks < KS; ++ks)
+                for (u32 ks = 0; ks < KS; ++ks) {
+                    if constexpr (QSMEM) ldmatrix_x4(qa[0], q_lane + ks * 32);
+                    const u32(&qf)[4] = qa[QSMEM ? 0 : ks];
 #pragma unroll
                     for (u32 hp = 0; hp < NTS / 2; ++hp) {
                         u32 kb[4];
                         ldmatrix_x4(kb, st + k_lane + (kk + 16 * hp) * kAttnPitch + ks * 32);
-                        mma_bf16_16816(s[2 * hp], qa[ks], kb[0], kb[1]);
-                        mma_bf16_16816(s[2 * hp + 1], qa[ks], kb[2], kb[3]);
+                        mma_bf16_16816(s[2 * hp], qf, kb[0], kb[1]);
+                        mma_bf16_16816(s[2 * hp + 1], qf, kb[2], kb[3]);
                     }
+                }
                 // Scale (log2 units) + causal mask, the mask only on steps
                 // that reach past the block's first query; row r = g
                 // (elements 0, 1) or g + 8 (2, 3).
@@ -250,6 +292,23 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& pp, u32 l
                 *reinterpret_cast<u32*>(dst + j * 16) =
                     pack_bf16x2(o[j][2 * r] * inv[r], o[j][2 * r + 1] * inv[r]);
         }
+    }
+}
+
+// 7B-like heads (D = 128): whole-head units with Q in shared memory where
+// the stages fit (sm_90a's wgmma smem), else (and under kFlagPfAttnSplitD)
+// two half-D units per head. D <= 64: whole heads, Q in registers.
+__device__ __forceinline__ void prefill_attention(const PrefillParams& pp, u32 layer, u16* smem) {
+    if constexpr (QMK_HEAD_DIM <= 64) {
+        prefill_attention_t<1, false>(pp, layer, smem);
+    } else {
+        if constexpr (attn_smem_bytes(true) <= kPfSmemAvail && QMK_HEADS / QMK_KV_HEADS <= QMK_WARPS) {
+            if (!(pp.base.flags & kFlagPfAttnSplitD)) {
+                prefill_attention_t<1, true>(pp, layer, smem);
+                return;
+            }
+        }
+        prefill_attention_t<2, false>(pp, layer, smem);
     }
 }
 

@@ -315,19 +315,41 @@ __device__ __forceinline__ void wg_wait_flag(const Params& p, const u64* flag, u
 // saves (0.5B q/k/v has 14 K steps: no split).
 constexpr u32 kWgMinSplitSteps = 16;
 
-// One GEMM phase of `tiles` tiles (desc(tile, d, w) describes tile i):
-// data-parallel (CTA b takes tiles b, b + G, ...) when there are at least
-// G / 2 tiles; fewer tiles run stream-K: their K steps laid end to end and cut
-// into equal ranges, one per CTA (at most G ranges, each at least
-// kWgMinSplitSteps of a tile's K steps), so a phase of few tiles still uses
-// every SM (7B down at 64 tokens: 14 tiles left 118 SMs idle). The code
-// handles a data-parallel head plus a stream-K tail; the tail split is not
-// used (it did not pay at 2,048 tokens). A range covers the tail of at most one tile (a partial, computed
-// first and published through the scratch), then heads of tiles: the CTA
-// that computes a tile's K step 0 adds the later ranges' partials in CTA
-// order (deterministic: the same bits every run, both backends) and runs
-// the epilogue. No CTA waits for work its waited-on CTA does after its own
-// wait, so there is no cycle. kFlagPfNoStreamK: every tile data-parallel.
+// How many of a phase's `tiles` run data-parallel (the rest run stream-K):
+//  - fewer tiles than half the grid: none (7B at 64 tokens: 14 down tiles
+//    would leave 118 SMs idle);
+//  - else every full wave, and a last wave of fewer than G / 2 tiles runs
+//    stream-K (7B q/k/v at 512 tokens: 144 tiles = 1 wave + 12);
+//  - a last wave of G / 2 tiles or more stays data-parallel.
+// Measured on the H200 (NOTES, prefill v3.1): the GEMM phases are bound by
+// L2 -> SM bandwidth, so a short last wave runs faster per tile and costs
+// less than its tile count suggests, and every split adds partial traffic.
+// Spreading the last two waves of 7B down and o_proj over the grid
+// (stream-K ranges start at different K steps, so CTAs sharing a tile's
+// rows no longer read them together) lost 5-6 ms; cutting a last wave of
+// 92 tiles into K-aligned quarters (3 rounds instead of one wave) gained
+// nothing; the v3 tail split of every phase lost ~1 ms.
+// kFlagPfNoStreamK: all data-parallel; kFlagPfSkSmallOnly: only the first
+// case splits (the v3 policy).
+__device__ __forceinline__ u32 wg_dp_tiles(u32 tiles, u32 G, u32 flags) {
+    if (flags & kFlagPfNoStreamK) return tiles;
+    if (2 * tiles < G) return 0;
+    const u32 tail = tiles % G;
+    if ((flags & kFlagPfSkSmallOnly) || 2 * tail >= G) return tiles;
+    return tiles - tail;
+}
+
+// One GEMM phase of `tiles` tiles (desc(tile, d, w) describes tile i): the
+// data-parallel head (wg_dp_tiles; CTA b takes tiles b, b + G, ...), then
+// stream-K: the other tiles' K steps laid end to end and cut into equal
+// ranges, one per CTA (at most G ranges, each at least kWgMinSplitSteps of
+// a tile's K steps), so a phase of few tiles, or a last wave of few, still
+// uses every SM. A range covers the tail of at most one tile (a partial,
+// computed first and published through the scratch), then heads of tiles:
+// the CTA that computes a tile's K step 0 adds the later ranges' partials
+// in CTA order (deterministic: the same bits every run, both backends) and
+// runs the epilogue. No CTA waits for work its waited-on CTA does after its
+// own wait, so there is no cycle.
 // One mainloop and one epilogue call site (NVRTC compile time).
 template <int NT, int NB, int K, class Desc, class Epi>
 __device__ __forceinline__ void wg_phase(const PrefillParams& pp, WgStreamK& sk, u32 phase,
@@ -335,15 +357,11 @@ __device__ __forceinline__ void wg_phase(const PrefillParams& pp, WgStreamK& sk,
                                          u32 smem, Desc desc, Epi epi) {
     constexpr u32 KT = (u32)K / kWgBK;
     constexpr int R = NT / 2;
+    constexpr u32 TILE = kWgRows * kWgTokMax;  // floats per partial slot
     const u32 G = gridDim.x, t_end = pp.n_tokens, tid = threadIdx.x;
     sk.seq += 1;
     const u64 epoch = ((u64)sk.nonce << 32) | sk.seq;
-    // Stream-K only for a phase of fewer tiles than half the grid
-    // (measured, H200, NOTES "prefill v3": 7B at 64 tokens 10.7 -> 7.5 ms;
-    // with 56-112 tiles at 512 tokens and on the tail of full waves at
-    // 2,048 it did not pay).
-    const bool no_sk = (pp.base.flags & kFlagPfNoStreamK) != 0 || 2 * tiles >= G;
-    const u32 full = no_sk ? tiles : 0u;
+    const u32 full = wg_dp_tiles(tiles, G, pp.base.flags);
     const u32 rem = tiles - full;
     constexpr u32 max_split = KT / kWgMinSplitSteps > 1 ? KT / kWgMinSplitSteps : 1;
     const u32 gsk = min(G, rem * max_split);  // CTAs sharing the stream-K tiles
@@ -378,7 +396,7 @@ __device__ __forceinline__ void wg_phase(const PrefillParams& pp, WgStreamK& sk,
         wg_mainloop<NT, NB, K>(a, lda_bytes, t_end, d.m0, w, d.n0, d.n_end, smem, kb, ke, acc);
         if (kb != 0) {
             // The tail of a tile: publish the partial for its owner.
-            float* mine = sk.part + (size_t)blockIdx.x * (kWgRows * kWgTokMax);
+            float* mine = sk.part + (size_t)blockIdx.x * TILE;
 #pragma unroll
             for (int i = 0; i < R; ++i) mine[(u32)i * QMK_THREADS + tid] = acc[i];
             __syncthreads();
@@ -395,7 +413,7 @@ __device__ __forceinline__ void wg_phase(const PrefillParams& pp, WgStreamK& sk,
                 if (range_start(b + 1) == bs) continue;
                 if (tid == 0) wg_wait_flag(pp.base, &sk.flags[b], epoch, phase, layer);
                 __syncthreads();
-                const float* theirs = sk.part + (size_t)b * (kWgRows * kWgTokMax);
+                const float* theirs = sk.part + (size_t)b * TILE;
 #pragma unroll
                 for (int i = 0; i < R; ++i) acc[i] += __ldcg(theirs + (u32)i * QMK_THREADS + tid);
             }

@@ -5,7 +5,7 @@
 #
 #   Here (Rust, no GPU):  bash scripts/gpu/prefill.sh build
 #       -> .carry/prefill/{qwen-mk,prefill-tests} (stripped, git-ignored)
-#   GPU machine:          bash scripts/gpu/prefill.sh [run|all|final|quick|debug|profile|tests|sanitize|bench]
+#   GPU machine:          bash scripts/gpu/prefill.sh [run|all|final|quick|debug|profile|explore|ncu|tests|sanitize|bench]
 #       with carry: [".carry/prefill"]; logs under $LOGDIR/prefill/
 #       (LOGDIR defaults to $PWD/gpu-out).
 #
@@ -228,6 +228,90 @@ if [[ $MODE == debug ]]; then
       > "$LOG/memcheck.log" 2>&1
     summary+=("memcheck rc=$?: $(grep -h 'ERROR SUMMARY' "$LOG/memcheck.log" | tail -1)")
   fi
+fi
+
+# explore: correctness of the default build (0.5B / 7B at 17 and 512, the
+# stream-K agreement), then in-process A/B of kernel-flag variants
+# (AB_FLAGS, timed interleaved: bench --ab) for AB_RUNS, the torch/cuBLAS
+# GEMM reference on the same shapes (torch_gemm_ref.py), and the GPU's
+# power, clocks and throttle reasons sampled every 200 ms throughout
+# (power.csv, summarised per step from marks.txt).
+mark() { echo "$(date +%s.%N) $*" >> "$LOG/marks.txt"; }
+if [[ $MODE == explore ]]; then
+  : > "$LOG/marks.txt"; : > "$LOG/ab.log"
+  nvidia-smi --query-gpu=timestamp,power.draw,power.limit,clocks.sm,clocks.mem,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader,nounits -lms 200 > "$LOG/power.csv" 2>&1 &
+  smi=$!
+  mark tests
+  tests e1-correct 40 150 b_0_5b_prompt_17 b_0_5b_prompt_512 c_7b_prompt_17 c_7b_prompt_512 d_stream_k
+  # EXPLORE_3000=1: 7B at 3,000 tokens in chunks of 2,048 against the
+  # carried reference file (the 2,048-token chunk runs the split tail).
+  if [[ ${EXPLORE_3000:-0} == 1 && -f $CARRY/ref/7b-3000.bin ]]; then
+    QMK_PREFILL_CHUNK=2048 QMK_PREFILL_REF_DIR=$CARRY/ref tests e2-7b-3000-c2048 20 120 c_7b_prompt_3000
+  fi
+  for spec in ${AB_RUNS:-7b:2048 7b:512 0.5b:2048 0.5b:512}; do
+    IFS=: read -r pr n <<< "$spec"
+    (( $(left) < 20 )) && { summary+=("SKIP ab $spec (budget)"); continue; }
+    mark "ab $spec"
+    echo "-- bench --preset $pr --prefill $n --ab ${AB_FLAGS:-0,1048576}" >> "$LOG/ab.log"
+    timeout -k 5 $(( $(left) - 5 )) "$CARRY/qwen-mk" bench --preset "$pr" --backend cudarc --prefill "$n" \
+      --prefill-chunk "$n" --ab "${AB_FLAGS:-0,1048576}" --ab-rounds "${AB_ROUNDS:-4}" >> "$LOG/ab.log" 2>&1 \
+      || summary+=("FAIL ab $spec")
+  done
+  if (( $(left) > 40 )); then
+    mark "torch 7b 2048"
+    timeout -k 5 $(( $(left) - 5 )) python3 "$ROOT/scripts/gpu/torch_gemm_ref.py" --preset 7b --tokens 2048 \
+      --json-out "$LOG/torch-gemm.json" > "$LOG/torch-gemm.log" 2>&1 || summary+=("FAIL torch_gemm_ref")
+  fi
+  mark end
+  kill $smi 2>/dev/null
+  grep -E "^--|time to first|ab flags" "$LOG/ab.log"
+  cat "$LOG/torch-gemm.log" 2>/dev/null | grep "^torch"
+  python3 - "$LOG/marks.txt" "$LOG/power.csv" <<'PY' || true
+import sys, datetime
+marks = [l.split(None, 1) for l in open(sys.argv[1])]
+rows = []
+for l in open(sys.argv[2]):
+    f = [x.strip() for x in l.split(",")]
+    try:
+        ts = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=datetime.timezone.utc).timestamp()
+        rows.append((ts, float(f[1]), float(f[2]), float(f[3]), float(f[5]), f[6]))
+    except Exception:
+        pass
+for (t0, name), (t1, _) in zip(marks, marks[1:]):
+    r = [x for x in rows if float(t0) <= x[0] < float(t1)]
+    busy = [x for x in r if x[1] > 200]
+    if not busy:
+        print("power %-14s no samples above 200 W (%d samples)" % (name.strip(), len(r))); continue
+    pw = sorted(x[1] for x in busy); ck = sorted(x[3] for x in busy)
+    reasons = sorted(set(x[5] for x in busy))
+    print("power %-14s %3d busy samples: W median %.0f max %.0f (limit %.0f), SM MHz median %.0f min %.0f, max temp %.0f C, throttle %s"
+          % (name.strip(), len(busy), pw[len(pw)//2], pw[-1], busy[0][2], ck[len(ck)//2], ck[0], max(x[4] for x in busy), " ".join(reasons)))
+PY
+fi
+
+# ncu: Nsight Compute on one prefill launch with every phase but one
+# skipped (NCU_RUNS: PRESET:N:PHASE, PHASE = qkv / attention / o_proj /
+# gate_up / down), so the report is that phase's GEMM or attention alone:
+# speed of light, compute and memory workload, warp stall reasons.
+if [[ $MODE == ncu ]]; then
+  NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+  [[ -x $NCU ]] || summary+=("SKIP ncu: not found")
+  for spec in ${NCU_RUNS:-7b:2048:gate_up 7b:2048:down}; do
+    [[ -x $NCU ]] || break
+    IFS=: read -r pr n ph <<< "$spec"
+    case $ph in qkv) keep=1;; attention) keep=2;; o_proj) keep=4;; gate_up) keep=8;; down) keep=16;; *) keep=0;; esac
+    flags=$(( (63 & ~keep) << 8 ))
+    (( $(left) < 30 )) && { summary+=("SKIP ncu $spec (budget)"); continue; }
+    mark "ncu $spec"
+    timeout -k 5 $(( $(left) - 5 )) "$NCU" --clock-control none -k regex:qmk_prefill_chunk --launch-skip 2 --launch-count 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section SchedulerStats \
+      "$CARRY/qwen-mk" bench --preset "$pr" --backend cudarc --prefill "$n" --prefill-chunk "$n" \
+      --prefill-reps 2 --kernel-flags "$flags" > "$LOG/ncu-$pr-$n-$ph.log" 2>&1
+    summary+=("ncu $spec rc=$? (log prefill/ncu-$pr-$n-$ph.log)")
+    grep -E "Duration|Throughput|Hit Rate|Pipe|Stall|Issued|Eligible|Active Warps|Bank|Executed Ipc|SM Frequency" "$LOG/ncu-$pr-$n-$ph.log" | head -60
+  done
 fi
 
 if [[ $MODE == tests ]]; then

@@ -395,11 +395,21 @@ fn compute_reference(preset: &str, n: usize, w: &Arc<Weights>) -> RefPrefill {
 /// doubled partial is off by ~1/splits of a row, far above both bounds.
 /// Skips (saying so) on GPUs without the wgmma path.
 fn stream_k_matches_data_parallel<B: Pf>(preset: &str, n: usize) {
-    let test = format!("{preset} {} stream-K vs data-parallel, {n} tokens", B::NAME);
+    stream_k_chunk_matches_data_parallel::<B>(preset, n, chunk());
+}
+
+/// As [`stream_k_matches_data_parallel`] in chunks of `chunk` tokens: one
+/// chunk of 2,048 runs 7B's q/k/v with a stream-K tail after two
+/// data-parallel waves (288 tiles = 2 x 132 + 24).
+fn stream_k_chunk_matches_data_parallel<B: Pf>(preset: &str, n: usize, chunk: u32) {
+    let test = format!(
+        "{preset} {} stream-K vs data-parallel, {n} tokens in chunks of {chunk}",
+        B::NAME
+    );
     let Some(_g) = gpu_or_skip(&test) else { return };
     let w = weights(preset);
     let tokens = prompt(n, w.config.vocab_size);
-    let mut gpu = B::open(&w, capacity(n), chunk())
+    let mut gpu = B::open(&w, capacity(n), chunk)
         .unwrap_or_else(|e| panic!("{test}: opening the backend: {e}"));
     if !gpu.has_wgmma() {
         println!("SKIPPED {test}: no wgmma prefill GEMM on this GPU");
@@ -654,5 +664,12 @@ both!(
 );
 both!(d_stream_k_7b_17, stream_k_matches_data_parallel, "7b", 17);
 both!(d_stream_k_7b_512, stream_k_matches_data_parallel, "7b", 512);
+both!(
+    d_stream_k_7b_2048,
+    stream_k_chunk_matches_data_parallel,
+    "7b",
+    2048,
+    2048
+);
 both!(b_0_5b_threshold, prefill_threshold_table, "0.5b");
 both!(c_7b_threshold, prefill_threshold_table, "7b");

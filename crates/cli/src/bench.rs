@@ -66,6 +66,15 @@ pub struct BenchArgs {
     /// Timed prefills (median reported; with --prefill).
     #[arg(long, default_value_t = 10)]
     prefill_reps: usize,
+    /// With --prefill: A/B of kernel-flag variants (comma-separated, each
+    /// added to --kernel-flags; 0 is the default build), timed interleaved
+    /// in --ab-rounds rounds in one process, so clock and power drift hits
+    /// every variant alike.
+    #[arg(long, value_delimiter = ',')]
+    ab: Vec<u32>,
+    /// Rounds of the --ab variants.
+    #[arg(long, default_value_t = 4)]
+    ab_rounds: usize,
 }
 
 /// N synthetic prompt ids below the special tokens (deterministic).
@@ -370,6 +379,24 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
         backend.set_kernel_flags(u32::MAX, false);
         backend.set_kernel_flags(a.kernel_flags, true);
     }
+    // --ab: round r times every variant once (a prefill median each), in
+    // rotated order so no variant always runs first or last.
+    let mut ab: Vec<(u32, Vec<f64>)> = a.ab.iter().map(|&f| (f, Vec::new())).collect();
+    for round in 0..if ab.is_empty() { 0 } else { a.ab_rounds } {
+        for i in 0..ab.len() {
+            let v = (i + round) % ab.len();
+            backend.set_kernel_flags(u32::MAX, false);
+            backend.set_kernel_flags(a.kernel_flags | ab[v].0, true);
+            let s = backend
+                .bench_prefill(&tokens, a.prefill_reps)
+                .with_context(|| format!("bench --prefill {n} --ab {}", ab[v].0))?;
+            ab[v].1.push(s.ms_median);
+        }
+    }
+    if !ab.is_empty() {
+        backend.set_kernel_flags(u32::MAX, false);
+        backend.set_kernel_flags(a.kernel_flags, true);
+    }
     let pf = backend
         .resources()
         .into_iter()
@@ -380,6 +407,7 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
             "backend": a.backend,
             "device": r.device,
             "profile_ms": profile.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
+            "ab_ms": ab.iter().map(|(f, v)| serde_json::json!({"flags": f, "round_medians_ms": v, "median_ms": qmk_kernels::host::median(&mut v.clone())})).collect::<Vec<_>>(),
             "prefill_tokens": r.tokens,
             "chunk": r.chunk,
             "launches": r.launches,
@@ -422,6 +450,15 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
                 _ => "full - skipped",
             };
             println!("  profile {name:<10} {ms:>10.3} ms  ({what})");
+        }
+        for (f, v) in &ab {
+            let rounds: Vec<String> = v.iter().map(|x| format!("{x:.2}")).collect();
+            println!(
+                "  ab flags {f:<8} {:>10.3} ms  (median of {} interleaved rounds: {})",
+                qmk_kernels::host::median(&mut v.clone()),
+                v.len(),
+                rounds.join(" ")
+            );
         }
     }
     Ok(())
