@@ -333,6 +333,15 @@ fn print_report(a: &BenchArgs, r: &BenchReport, l: &LaunchInfo, profile: &[(Stri
 /// Prefill phases in skip-bit order (`qmk_prefill_chunk`, kernels/cuda/prefill.cuh).
 const PREFILL_PHASES: [&str; 6] = ["qkv", "attention", "o_proj", "gate_up", "down", "lm_head"];
 
+/// The order `bench --ab` times its variants in: `rounds` rounds, each
+/// variant once per round, round r starting at variant r (mod n), so none
+/// always runs first or last.
+fn ab_schedule(variants: usize, rounds: usize) -> Vec<usize> {
+    (0..rounds)
+        .flat_map(|r| (0..variants).map(move |i| (i + r) % variants))
+        .collect()
+}
+
 /// `bench --prefill N`: time to first token.
 fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
     let tokens = synthetic_prompt(n, backend.config().vocab_size);
@@ -379,19 +388,16 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
         backend.set_kernel_flags(u32::MAX, false);
         backend.set_kernel_flags(a.kernel_flags, true);
     }
-    // --ab: round r times every variant once (a prefill median each), in
-    // rotated order so no variant always runs first or last.
+    // --ab: every variant once per round (a prefill median each), in
+    // rotated order (ab_schedule).
     let mut ab: Vec<(u32, Vec<f64>)> = a.ab.iter().map(|&f| (f, Vec::new())).collect();
-    for round in 0..if ab.is_empty() { 0 } else { a.ab_rounds } {
-        for i in 0..ab.len() {
-            let v = (i + round) % ab.len();
-            backend.set_kernel_flags(u32::MAX, false);
-            backend.set_kernel_flags(a.kernel_flags | ab[v].0, true);
-            let s = backend
-                .bench_prefill(&tokens, a.prefill_reps)
-                .with_context(|| format!("bench --prefill {n} --ab {}", ab[v].0))?;
-            ab[v].1.push(s.ms_median);
-        }
+    for v in ab_schedule(ab.len(), a.ab_rounds) {
+        backend.set_kernel_flags(u32::MAX, false);
+        backend.set_kernel_flags(a.kernel_flags | ab[v].0, true);
+        let s = backend
+            .bench_prefill(&tokens, a.prefill_reps)
+            .with_context(|| format!("bench --prefill {n} --ab {}", ab[v].0))?;
+        ab[v].1.push(s.ms_median);
     }
     if !ab.is_empty() {
         backend.set_kernel_flags(u32::MAX, false);
@@ -479,6 +485,16 @@ mod tests {
         T::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
             .unwrap()
             .a
+    }
+
+    #[test]
+    fn ab_variants_interleave() {
+        let a = parse(&["--prefill", "2048", "--ab", "0,2097152", "--ab-rounds", "3"]);
+        assert_eq!((a.ab.clone(), a.ab_rounds), (vec![0, 2_097_152], 3));
+        assert_eq!(ab_schedule(2, 3), vec![0, 1, 1, 0, 0, 1]);
+        assert_eq!(ab_schedule(3, 2), vec![0, 1, 2, 1, 2, 0]);
+        assert!(ab_schedule(0, 4).is_empty());
+        assert_eq!(parse(&[]).ab, Vec::<u32>::new());
     }
 
     #[test]
