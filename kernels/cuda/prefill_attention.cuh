@@ -4,10 +4,10 @@
 //
 // v3 (K/V tiles in shared memory, shared by a KV group's query heads).
 // CTA work item = (kv head, QB consecutive 16-query blocks; 1 when there
-// would be fewer items than CTAs). Its warps are
-// the units (query block, query head of the group, half of D when D = 128):
-// GROUP x SPLIT x QB <= 16 warps (7B: 7 heads x 2 halves = 14 warps; 0.5B:
-// 7 heads x 2 blocks). Every unit needs the same keys, so the CTA streams
+// would be fewer items than CTAs). Its warps are the units (query block,
+// query head of the group; and half of D under kFlagPfAttnSplitD):
+// GROUP x SPLIT x QB <= 16 warps (7B: 7 heads x 2 blocks = 14 warps, or
+// 7 heads x 2 halves; 0.5B: 7 heads x 2 blocks). Every unit needs the same keys, so the CTA streams
 // them once: tiles of kAttnKeys keys of K and V, 16-byte cp.async.cg into
 // two shared-memory stages (the next tile loads while this one is used),
 // rows padded by 16 bytes (the 8 row addresses of an ldmatrix hit 8
@@ -138,9 +138,9 @@ __device__ __forceinline__ void prefill_attention_t(const PrefillParams& pp, u32
         const u32 ukmax = unit ? start + min(t0 + 15, n - 1) : 0u;
         // Q fragments, k-step ks = dims 16 ks .. + 15 (rows beyond the
         // chunk are zero): in registers, or (QSMEM) this warp's 16 Q rows
-        // copied to its shared-memory block (in the same cp.async group as
-        // K / V tile 0), fragments by ldmatrix.x4 in the loop: lane l
-        // addresses row l % 16, dims + 8 (l / 16).
+        // copied to its shared-memory block (a cp.async group of its own,
+        // waited for with K / V tile 0), fragments by ldmatrix.x4 in the
+        // loop: lane l addresses row l % 16, dims + 8 (l / 16).
         constexpr u32 KSR = QSMEM ? 1 : KS;
         u32 qa[KSR][4];
         const u32 qs = sbase + kAttnSmemBytes + warp * 16u * kAttnPitch;
