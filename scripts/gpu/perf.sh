@@ -108,8 +108,10 @@ tests() {
     verdict=PASS
   fi
   (( rc == 124 || rc == 137 )) && verdict="FAIL (timeout ${lim}s)"
-  local ran; ran=$(grep -cE "^test .* (ok|FAILED)$" "$LOG/$name.log")
-  summary+=("$verdict tests $name: rc=$rc, $ran tests, $(( SECONDS - t ))s (log perf/$name.log)")
+  # The harness's own count (with --nocapture a test's output splits its
+  # "test ... ok" line, so those lines cannot be counted).
+  local ran; ran=$(grep -oE "[0-9]+ passed; [0-9]+ failed" "$LOG/$name.log" | tail -1)
+  summary+=("$verdict tests $name: rc=$rc, ${ran:-no result}, $(( SECONDS - t ))s (log perf/$name.log)")
   while read -r x; do summary+=("    ${x:0:170}"); done < <(grep -E "panicked|^test .*FAILED" "$LOG/$name.log" | head -4)
 }
 
