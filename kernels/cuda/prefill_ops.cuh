@@ -9,8 +9,9 @@
 // Every output element is written by exactly one thread.
 //
 // On sm_90a (unless kFlagPfMmaSync) the same four phases run on wgmma
-// (prefill_wgmma.cuh): NT-token x 256-weight-row tiles (wg_use_nt64), a
-// phase of fewer tiles than half the grid split stream-K (wg_phase).
+// (prefill_wgmma.cuh): NT-token x 256-weight-row tiles (wg_use_nt64); a
+// phase of fewer tiles than half the grid, and a last wave of fewer than
+// half, run stream-K (wg_dp_tiles, wg_phase).
 //
 // Tile order is column-major (tile = n_tile * mt + m_tile): the CTAs of a
 // wave share few weight tiles, each read from HBM once and by the other
