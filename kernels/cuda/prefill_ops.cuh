@@ -24,6 +24,59 @@ namespace qmk {
 
 static_assert(QMK_HIDDEN % 2 == 0 && QMK_INTER % 2 == 0, "epilogues write column pairs");
 
+// The q / k / v projections of one layer, shared by both GEMM paths: the
+// weights (which = 0 q, 1 k, 2 v) and the biases.
+// Selected by value, not by indexing an array (a runtime index would put
+// the array in local memory).
+struct QkvLayer {
+    WRows wq, wk, wv;
+    LayerView<q_bias_t> bq;
+    LayerView<k_bias_t> bk;
+    LayerView<v_bias_t> bv;
+    __device__ __forceinline__ QkvLayer(const Params& p, u32 layer)
+        : wq(wrows<q_proj_t>(p.q_proj, layer)),
+          wk(wrows<k_proj_t>(p.k_proj, layer)),
+          wv(wrows<v_proj_t>(p.v_proj, layer)),
+          bq(p.q_bias, layer),
+          bk(p.k_bias, layer),
+          bv(p.v_bias, layer) {}
+    __device__ __forceinline__ WRows w(u32 which) const {
+        return which == 0 ? wq : (which == 1 ? wk : wv);
+    }
+    __device__ __forceinline__ float bias(u32 which, u32 n) const {
+        return which == 0 ? bq.elem(n) : (which == 1 ? bk.elem(n) : bv.elem(n));
+    }
+};
+
+// First column of q / k / v (which = 0, 1, 2) in the qkv scratch [T, Q + 2 KV].
+constexpr u32 qkv_col0(u32 which) {
+    return which == 0 ? 0u : (which == 1 ? (u32)QMK_Q_DIM : (u32)(QMK_Q_DIM + QMK_KV_DIM));
+}
+
+// Weight tile nt of q / k / v in tiles of BN rows. Tiles never straddle two
+// tensors (Q and KV each end in a partial tile when not a multiple of BN):
+// the tensor, its first row, the tensor's rows, and qkv_col0.
+struct QkvTile {
+    u32 which, n0, n_end, col0;
+};
+template <u32 BN>
+struct QkvTiling {
+    static constexpr u32 QT = (QMK_Q_DIM + BN - 1) / BN, KT = (QMK_KV_DIM + BN - 1) / BN;
+    static constexpr u32 TILES = QT + 2 * KT;
+    static constexpr QkvTile tile(u32 nt) {
+        const u32 which = nt < QT ? 0u : (nt < QT + KT ? 1u : 2u);
+        return {which, (which == 0 ? nt : (which == 1 ? nt - QT : nt - QT - KT)) * BN,
+                which == 0 ? (u32)QMK_Q_DIM : (u32)QMK_KV_DIM, qkv_col0(which)};
+    }
+    // The last tile of each tensor starts inside it and the next tensor's
+    // first tile at row 0.
+    static_assert(tile(QT - 1).which == 0 && tile(QT - 1).n0 < QMK_Q_DIM && tile(QT).which == 1 &&
+                      tile(QT).n0 == 0 && tile(QT + KT - 1).n0 < QMK_KV_DIM &&
+                      tile(QT + KT).which == 2 && tile(QT + KT).n0 == 0 &&
+                      tile(TILES - 1).which == 2 && tile(TILES - 1).n0 < QMK_KV_DIM,
+                  "q / k / v tiling");
+};
+
 #if QMK_WGMMA
 // The wgmma versions of the three tile loops (prefill_wgmma.cuh, wg_phase:
 // full waves, then stream-K): NT-token x 256-weight-row tiles (128 columns
@@ -32,34 +85,24 @@ static_assert(QMK_HIDDEN % 2 == 0 && QMK_INTER % 2 == 0, "epilogues write column
 template <int NT>
 __device__ __forceinline__ void wg_qkv_tiles(const PrefillParams& pp, u32 layer, u32 smem,
                                              WgStreamK& sk) {
-    const Params& p = pp.base;
-    const WRows wq = wrows<q_proj_t>(p.q_proj, layer);
-    const WRows wk = wrows<k_proj_t>(p.k_proj, layer);
-    const WRows wv = wrows<v_proj_t>(p.v_proj, layer);
-    const LayerView<q_bias_t> bq(p.q_bias, layer);
-    const LayerView<k_bias_t> bk(p.k_bias, layer);
-    const LayerView<v_bias_t> bv(p.v_bias, layer);
+    const QkvLayer L(pp.base, layer);
     float* qkv = reinterpret_cast<float*>(pp.qkv);
-    constexpr u32 QT = (QMK_Q_DIM + kWgRows - 1) / kWgRows, KT = (QMK_KV_DIM + kWgRows - 1) / kWgRows;
-    constexpr u32 WT = QT + 2 * KT;
+    using Tiling = QkvTiling<kWgRows>;
     const u32 mt = (pp.n_tokens + NT - 1) / NT;
     auto desc = [&](u32 tile, WgTile& d, WRows (&w)[1]) {
-        const u32 nt = tile / mt;
+        const QkvTile q = Tiling::tile(tile / mt);
         d.m0 = (tile % mt) * NT;
-        d.which = nt < QT ? 0u : (nt < QT + KT ? 1u : 2u);
-        d.n0 = (d.which == 0 ? nt : (d.which == 1 ? nt - QT : nt - QT - KT)) * kWgRows;
-        d.n_end = d.which == 0 ? QMK_Q_DIM : QMK_KV_DIM;
-        w[0] = d.which == 0 ? wq : (d.which == 1 ? wk : wv);
+        d.which = q.which;
+        d.n0 = q.n0;
+        d.n_end = q.n_end;
+        w[0] = L.w(q.which);
     };
     auto epi = [&](const WgTile& d, u32 t, u32 n, const float (&v)[1]) {
-        const u32 col0 =
-            d.which == 0 ? 0u : (d.which == 1 ? (u32)QMK_Q_DIM : (u32)(QMK_Q_DIM + QMK_KV_DIM));
-        const float b = d.which == 0 ? bq.elem(n) : (d.which == 1 ? bk.elem(n) : bv.elem(n));
-        qkv[(size_t)t * QMK_PF_QKV_COLS + col0 + n] = v[0] + b;
+        qkv[(size_t)t * QMK_PF_QKV_COLS + qkv_col0(d.which) + n] = v[0] + L.bias(d.which, n);
     };
     wg_phase<NT, 1, (int)QMK_HIDDEN>(pp, sk, kPhasePfQkv, layer,
                                      reinterpret_cast<const char*>(pp.xa), QMK_PF_XA_COLS * 2u,
-                                     mt * WT, smem, desc, epi);
+                                     mt * Tiling::TILES, smem, desc, epi);
 }
 
 template <int NT, class T, int K>
@@ -122,35 +165,20 @@ __device__ __forceinline__ bool wg_use_nt64(u32 t, u32 wt) {
 
 template <int BM>
 __device__ __forceinline__ void prefill_qkv_tiles(const PrefillParams& pp, u32 layer, u16* smem) {
-    const Params& p = pp.base;
-    const WRows wq = wrows<q_proj_t>(p.q_proj, layer);
-    const WRows wk = wrows<k_proj_t>(p.k_proj, layer);
-    const WRows wv = wrows<v_proj_t>(p.v_proj, layer);
-    const LayerView<q_bias_t> bq(p.q_bias, layer);
-    const LayerView<k_bias_t> bk(p.k_bias, layer);
-    const LayerView<v_bias_t> bv(p.v_bias, layer);
+    const QkvLayer L(pp.base, layer);
     float* qkv = reinterpret_cast<float*>(pp.qkv);
-    // Tiles never straddle two tensors (a partial last tile per tensor when
-    // Q or KV is not a multiple of the tile width).
-    constexpr u32 QT = (QMK_Q_DIM + kGemmBN - 1) / kGemmBN, KT = (QMK_KV_DIM + kGemmBN - 1) / kGemmBN;
-    constexpr u32 NT = QT + 2 * KT;
+    using Tiling = QkvTiling<kGemmBN>;
     const u32 mt = (pp.n_tokens + BM - 1) / BM;
-    for (u32 tile = blockIdx.x; tile < mt * NT; tile += gridDim.x) {
-        const u32 m0 = (tile % mt) * BM, nt = tile / mt;
-        const u32 which = nt < QT ? 0u : (nt < QT + KT ? 1u : 2u);
-        const u32 n0 = (which == 0 ? nt : (which == 1 ? nt - QT : nt - QT - KT)) * kGemmBN;
-        const WRows w[1] = {which == 0 ? wq : (which == 1 ? wk : wv)};
-        const u32 n_end = which == 0 ? QMK_Q_DIM : QMK_KV_DIM;
-        const u32 col0 = which == 0 ? 0u : (which == 1 ? (u32)QMK_Q_DIM : (u32)(QMK_Q_DIM + QMK_KV_DIM));
+    for (u32 tile = blockIdx.x; tile < mt * Tiling::TILES; tile += gridDim.x) {
+        const u32 m0 = (tile % mt) * BM;
+        const QkvTile q = Tiling::tile(tile / mt);
+        const WRows w[1] = {L.w(q.which)};
         gemm_tile<BM, 1, (int)QMK_HIDDEN>(
-            reinterpret_cast<const char*>(pp.xa), QMK_PF_XA_COLS * 2u, pp.n_tokens, m0, w, n0,
-            n_end, smem, [&](u32 t, u32 n, const float (&v0)[1], const float (&v1)[1]) {
-                const float b0 = which == 0 ? bq.elem(n) : (which == 1 ? bk.elem(n) : bv.elem(n));
-                const float b1 =
-                    which == 0 ? bq.elem(n + 1) : (which == 1 ? bk.elem(n + 1) : bv.elem(n + 1));
-                float* dst = qkv + (size_t)t * QMK_PF_QKV_COLS + col0 + n;
-                dst[0] = v0[0] + b0;
-                dst[1] = v1[0] + b1;
+            reinterpret_cast<const char*>(pp.xa), QMK_PF_XA_COLS * 2u, pp.n_tokens, m0, w, q.n0,
+            q.n_end, smem, [&](u32 t, u32 n, const float (&v0)[1], const float (&v1)[1]) {
+                float* dst = qkv + (size_t)t * QMK_PF_QKV_COLS + q.col0 + n;
+                dst[0] = v0[0] + L.bias(q.which, n);
+                dst[1] = v1[0] + L.bias(q.which, n + 1);
             });
     }
 }
@@ -160,8 +188,7 @@ __device__ __forceinline__ void prefill_qkv(const PrefillParams& pp, u32 layer, 
 #if QMK_WGMMA
     if constexpr (kWgShapesOk) {
         if (!(pp.base.flags & kFlagPfMmaSync)) {
-            constexpr u32 WT = (QMK_Q_DIM + kWgRows - 1) / kWgRows + 2 * ((QMK_KV_DIM + kWgRows - 1) / kWgRows);
-            if (wg_use_nt64(pp.n_tokens, WT))
+            if (wg_use_nt64(pp.n_tokens, QkvTiling<kWgRows>::TILES))
                 wg_qkv_tiles<64>(pp, layer, wg_smem_base(smem), sk);
             else
                 wg_qkv_tiles<128>(pp, layer, wg_smem_base(smem), sk);
@@ -169,8 +196,7 @@ __device__ __forceinline__ void prefill_qkv(const PrefillParams& pp, u32 layer, 
         }
     }
 #endif
-    constexpr u32 NT = (QMK_Q_DIM + kGemmBN - 1) / kGemmBN + 2 * ((QMK_KV_DIM + kGemmBN - 1) / kGemmBN);
-    if (gemm_use_bm64(pp.n_tokens, NT, gridDim.x))
+    if (gemm_use_bm64(pp.n_tokens, QkvTiling<kGemmBN>::TILES, gridDim.x))
         prefill_qkv_tiles<64>(pp, layer, smem);
     else
         prefill_qkv_tiles<128>(pp, layer, smem);
