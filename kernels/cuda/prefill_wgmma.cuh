@@ -321,12 +321,13 @@ constexpr u32 kWgMinSplitSteps = 16;
 //  - else every full wave, and a last wave of fewer than G / 2 tiles runs
 //    stream-K (7B q/k/v at 512 tokens: 144 tiles = 1 wave + 12);
 //  - a last wave of G / 2 tiles or more stays data-parallel.
-// Measured on the H200 (NOTES, prefill v3.1): the GEMM phases are bound by
-// L2 -> SM bandwidth, so a short last wave runs faster per tile and costs
-// less than its tile count suggests, and every split adds partial traffic.
+// Measured on the H200 (NOTES, prefill v3.1; the bound is inferred from
+// these experiments): the GEMM phases behave as bound by L2 -> SM
+// bandwidth, so a short last wave runs faster per tile and costs less than
+// its tile count suggests, and every split adds partial traffic.
 // Spreading the last two waves of 7B down and o_proj over the grid
 // (stream-K ranges start at different K steps, so CTAs sharing a tile's
-// rows no longer read them together) lost 5-6 ms; cutting a last wave of
+// rows no longer read them together) lost 5.3-6.6 ms; cutting a last wave of
 // 92 tiles into K-aligned quarters (3 rounds instead of one wave) gained
 // nothing; the v3 tail split of every phase lost ~1 ms.
 // kFlagPfNoStreamK: all data-parallel; kFlagPfSkSmallOnly: only the first
