@@ -477,7 +477,7 @@ mod tests {
         assert!(size_of::<KernelParams>() <= 4096);
         assert_eq!(
             size_of::<PrefillParams>(),
-            size_of::<KernelParams>() + 7 * 8 + 4 * 4
+            size_of::<KernelParams>() + 8 * 8 + 4 * 4
         );
         assert!(size_of::<PrefillParams>() <= 4096);
         assert_eq!(offset_of!(PrefillParams, base), 0);
