@@ -259,13 +259,17 @@ __device__ __forceinline__ void cluster_sync() {
 // waits for on empty[s] before refilling it (thread 0 only).
 __shared__ __align__(8) u64 qmk_wg_bars[2 * kWgStages];
 __shared__ u32 qmk_wg_fpar, qmk_wg_epar;
-// Thread 0's producer arguments for the tile in flight (thread 0 alone
-// writes and reads them: kept out of every thread's registers).
+// Thread 0's producer: the tile it is loading (maps, rows, K steps k..kend)
+// and its own copy of the phase's work iterator, which runs ahead of the
+// consumers' by up to one tile, so a tile's first stages load during the
+// previous tile's last steps and epilogue (thread 0 alone writes and reads
+// this: kept out of every thread's registers).
 struct WgProd {
     const char* tm0;
     const char* tm1;
-    const char* am;
-    u32 r0, r1, m0, kb;
+    u32 r0, r1, m0, k, kend;
+    u32 dp, it;  // work iterator (WgWork)
+    u32 count;   // K steps issued in this phase
 };
 __shared__ WgProd qmk_wg_prod;
 
@@ -304,7 +308,7 @@ __device__ __forceinline__ void wg_pipe_init() {
 // each phase start), the full parities, and whether this CTA shares its
 // weight loads with its cluster partner (mc, rank).
 struct WgPipe {
-    u32 stage, fpar, rank;
+    u32 stage, cons, fpar, rank;  // cons: K steps consumed in this phase
     bool mc;
 };
 
@@ -343,66 +347,29 @@ __device__ __forceinline__ void wg_release_kept(const WgPipe& pp, u32 n) {
     if (n >= 2u) wg_release(pp, (pp.stage + kWgStages - 2u) % kWgStages);
 }
 
-// Mainloop of one tile over K steps [kb, ke): acc (zeroed here) = W[n0..,
-// kb..ke] . X[m0.., kb..ke]^T, X through tensor map `am` (box NT rows).
-// pp.mc: this CTA and its cluster partner run the same steps of tiles that
-// share the weights, each loading one half for both. DEFER: the stages of
-// the last two steps stay held (wg_release_kept).
-template <int NT, int K, bool DEFER>
-__device__ __forceinline__ void wg_mainloop(const Params& p, WgPipe& pp, const WgTile& d,
-                                            const char* am, u32 smem, u32 kb, u32 ke,
-                                            float (&acc)[NT / 2]) {
+// Mainloop of one tile: its n K steps, the phase's steps pp.stage.. in
+// pipeline order; acc (zeroed here) = W[n0.., kb..ke] . X[m0.., kb..ke]^T.
+// produce(upto): thread 0 issues the phase's loads up to step `upto`
+// (exclusive), kWgStages - 2 steps ahead of the one consumed, across tile
+// boundaries. pp.mc: this CTA and its cluster partner run the same steps
+// of tiles that share the weights, each loading one half for both. DEFER:
+// the stages of the last two steps stay held (wg_release_kept).
+template <int NT, bool DEFER, class Produce>
+__device__ __forceinline__ void wg_mainloop(const Params& p, WgPipe& pp, u32 smem, u32 n,
+                                            float (&acc)[NT / 2], Produce& produce) {
     static_assert(NT == 64 || NT == 128, "NT is 64 or 128");
-    static_assert(K % kWgBK == 0, "K must be whole stages");
     static_assert(QMK_THREADS == 512, "the wgmma tile assumes 4 warpgroups");
     constexpr u32 AHEAD = kWgStages - 2;  // steps loaded ahead
-    constexpr u32 TX = kWgRows * 128u + (u32)NT * 128u;  // bytes per stage
-    constexpr int R = NT / 2;                           // accumulators per thread
-    const u32 tid = threadIdx.x;
-    const u32 n = ke - kb;
+    constexpr int R = NT / 2;             // accumulators per thread
     const u32 stage0 = pp.stage;
-
-    // Thread 0: K step kb + i into stage (stage0 + i) % kWgStages, once every
-    // warp (of both CTAs) has released that stage's previous step.
-    auto produce = [&](u32 i) {
-        volatile WgProd& w = qmk_wg_prod;
-        const u32 s = (stage0 + i) % kWgStages;
-        const u32 ep = qmk_wg_epar;
-        mbar_wait(p, wg_empty(s), (ep >> s) & 1u);
-        qmk_wg_epar = ep ^ (1u << s);
-        mbar_arrive_expect_tx(wg_full(s), TX);
-        const u32 st = smem + s * kWgStageBytes;
-        const u32 x = (w.kb + i) * kWgBK;
-        tma_load(st + kWgRows * 128u, w.am, wg_full(s), x, w.m0);
-        if (pp.mc) {
-            const bool hi = pp.rank != 0u;
-            tma_load_pair(st + (hi ? kWgHalfRows * 128u : 0u), hi ? w.tm1 : w.tm0, wg_full(s), x,
-                          hi ? w.r1 : w.r0);
-        } else {
-            tma_load(st, w.tm0, wg_full(s), x, w.r0);
-            tma_load(st + kWgHalfRows * 128u, w.tm1, wg_full(s), x, w.r1);
-        }
-    };
-
 #pragma unroll
     for (int i = 0; i < R; ++i) acc[i] = 0.0f;
-    if (tid == 0) {
-        volatile WgProd& w = qmk_wg_prod;
-        w.tm0 = d.tm0;
-        w.tm1 = d.tm1;
-        w.am = am;
-        w.r0 = d.r0;
-        w.r1 = d.r1;
-        w.m0 = d.m0;
-        w.kb = kb;
-        for (u32 i = 0; i < AHEAD && i < n; ++i) produce(i);
-    }
     constexpr u32 b_off = kWgRows * 128u;
 #pragma unroll 1
     for (u32 i = 0; i < n; ++i) {
         // The stage of step i + AHEAD last held step i - 2, released in
         // iteration i - 1: this wait rarely stalls.
-        if (tid == 0 && i + AHEAD < n) produce(i + AHEAD);
+        if (threadIdx.x == 0) produce(pp.cons + i + AHEAD + 1u);
         const u32 s = (stage0 + i) % kWgStages;
         mbar_wait(p, wg_full(s), (pp.fpar >> s) & 1u);
         pp.fpar ^= 1u << s;
@@ -432,6 +399,7 @@ __device__ __forceinline__ void wg_mainloop(const Params& p, WgPipe& pp, const W
     wg_wait<0>();
     wg_fence_acc(acc);
     pp.stage = (stage0 + n) % kWgStages;
+    pp.cons += n;
     if (!DEFER && n > 0) wg_release(pp, (pp.stage + kWgStages - 1u) % kWgStages);
 }
 
@@ -609,36 +577,110 @@ template <int NT, int NB, int K, class Desc, class Epi>
 __device__ __forceinline__ void wg_phase(const PrefillParams& pp, WgStreamK& sk, u32 phase,
                                          u32 layer, const char* am, u32 wt, char* base, Desc desc,
                                          Epi epi) {
+    static_assert(K % kWgBK == 0, "K must be whole stages");
     constexpr u32 KT = (u32)K / kWgBK;
     constexpr int R = NT / 2;
     constexpr u32 TILE = kWgRows * kWgTokMax;  // floats per partial slot
+    constexpr u32 TX = kWgRows * 128u + (u32)NT * 128u;  // bytes per stage
     constexpr bool GU = NB == 2;
+    const Params& p = pp.base;
     const u32 t_end = pp.n_tokens, tid = threadIdx.x;
     const u32 mt = (t_end + NT - 1) / NT;
     WgPipe pipe;
     pipe.stage = 0;
+    pipe.cons = 0;
     pipe.fpar = qmk_wg_fpar;
     pipe.rank = cluster_ctarank();
-    pipe.mc = cluster_nctarank() == 2u && mt >= 2u && !(pp.base.flags & kFlagPfNoMulticast);
+    pipe.mc = cluster_nctarank() == 2u && mt >= 2u && !(p.flags & kFlagPfNoMulticast);
     const u32 per = pipe.mc ? 2u : 1u, sub = pipe.mc ? pipe.rank : 0u;
     const u32 U = gridDim.x / per, u = blockIdx.x / per;
     const u32 mu = (mt + per - 1) / per;  // token units per weight tile
     const u32 tiles = wt * mu;
     sk.seq += 1;
     const u64 epoch = ((u64)sk.nonce << 32) | sk.seq;
-    const u32 full = wg_dp_tiles(tiles, U, pp.base.flags);
+    const u32 full = wg_dp_tiles(tiles, U, p.flags);
     const u32 rem = tiles - full;
     constexpr u32 max_split = KT / kWgMinSplitSteps > 1 ? KT / kWgMinSplitSteps : 1;
     const u32 gsk = min(U, rem * max_split);  // units sharing the stream-K tiles
     const u32 iters = rem * KT;
     auto range_start = [&](u32 b) { return (u32)((u64)iters * b / gsk); };
-    u32 it = 0, e = 0;
+    u32 it0 = 0, e = 0;
     if (u < gsk) {
-        it = range_start(u);
+        it0 = range_start(u);
         e = range_start(u + 1);
     }
-    u32 dp = u;  // next data-parallel tile
+    // The unit's work, in order: data-parallel tiles dp, dp + U, ..., then
+    // stream-K pieces of [it, e). Walked by the consumers and, ahead of
+    // them, by thread 0's producer.
+    auto next = [&](u32& dp, u32& it, u32& tile, u32& kb, u32& ke) -> bool {
+        if (dp < full) {
+            tile = dp;
+            kb = 0;
+            ke = KT;
+            dp += U;
+            return true;
+        }
+        if (it < e) {
+            tile = full + it / KT;
+            kb = it % KT;
+            ke = min(KT, kb + (e - it));
+            it += ke - kb;
+            return true;
+        }
+        return false;
+    };
+    auto describe = [&](u32 tile, WgTile& d) {
+        desc(tile / mu, d);
+        d.m0 = ((tile % mu) * per + sub) * NT;
+    };
     const u32 smem = smem_u32(base);
+    // Thread 0: issues the phase's K steps up to `upto` (exclusive), each
+    // once every warp (of both CTAs) has released its stage's previous step.
+    auto produce = [&](u32 upto) {
+        volatile WgProd& w = qmk_wg_prod;
+        while (w.count < upto) {
+            if (w.k == w.kend) {
+                u32 dp = w.dp, it = w.it, tile, kb, ke;
+                if (!next(dp, it, tile, kb, ke)) return;
+                WgTile d;
+                describe(tile, d);
+                w.dp = dp;
+                w.it = it;
+                w.tm0 = d.tm0;
+                w.tm1 = d.tm1;
+                w.r0 = d.r0;
+                w.r1 = d.r1;
+                w.m0 = d.m0;
+                w.k = kb;
+                w.kend = ke;
+            }
+            const u32 c = w.count, s = c % kWgStages;
+            const u32 ep = qmk_wg_epar;
+            mbar_wait(p, wg_empty(s), (ep >> s) & 1u);
+            qmk_wg_epar = ep ^ (1u << s);
+            mbar_arrive_expect_tx(wg_full(s), TX);
+            const u32 st = smem + s * kWgStageBytes;
+            const u32 x = w.k * kWgBK;
+            tma_load(st + kWgRows * 128u, am, wg_full(s), x, w.m0);
+            if (pipe.mc) {
+                const bool hi = pipe.rank != 0u;
+                tma_load_pair(st + (hi ? kWgHalfRows * 128u : 0u), hi ? w.tm1 : w.tm0, wg_full(s), x,
+                              hi ? w.r1 : w.r0);
+            } else {
+                tma_load(st, w.tm0, wg_full(s), x, w.r0);
+                tma_load(st + kWgHalfRows * 128u, w.tm1, wg_full(s), x, w.r1);
+            }
+            w.k = w.k + 1u;
+            w.count = c + 1u;
+        }
+    };
+    if (tid == 0) {
+        volatile WgProd& w = qmk_wg_prod;
+        w.dp = u;
+        w.it = it0;
+        w.k = w.kend = 0;
+        w.count = 0;
+    }
     // The last phase's generic shared-memory accesses (attention, norms, the
     // gate/up exchange) before this phase's TMA writes, in both CTAs of a
     // pair.
@@ -646,29 +688,17 @@ __device__ __forceinline__ void wg_phase(const PrefillParams& pp, WgStreamK& sk,
     if (pipe.mc) cluster_sync();
     else __syncthreads();
     float acc[R];
+    u32 dp = u, it = it0;
     for (;;) {
         u32 tile, kb, ke;
-        if (dp < full) {
-            tile = dp;
-            kb = 0;
-            ke = KT;
-            dp += U;
-        } else if (it < e) {
-            const u32 r = it / KT;
-            tile = full + r;
-            kb = it % KT;
-            ke = min(KT, kb + (e - it));
-            it += ke - kb;
-        } else {
-            break;
-        }
+        if (!next(dp, it, tile, kb, ke)) break;
         WgTile d;
-        desc(tile / mu, d);
-        d.m0 = ((tile % mu) * per + sub) * NT;
-        wg_mainloop<NT, K, GU>(pp.base, pipe, d, am, smem, kb, ke, acc);
+        describe(tile, d);
+        const u32 n = ke - kb;
+        wg_mainloop<NT, GU>(p, pipe, smem, n, acc, produce);
         if (kb != 0) {
             // The tail of a tile: publish the partial for its owner.
-            if constexpr (GU) wg_release_kept(pipe, ke - kb);
+            if constexpr (GU) wg_release_kept(pipe, n);
             float* mine = sk.part + (size_t)blockIdx.x * TILE;
 #pragma unroll
             for (int i = 0; i < R; ++i) mine[(u32)i * QMK_THREADS + tid] = acc[i];
@@ -686,7 +716,7 @@ __device__ __forceinline__ void wg_phase(const PrefillParams& pp, WgStreamK& sk,
                 if (bs >= tile_end) break;
                 if (range_start(b + 1) == bs) continue;
                 const u32 cta = b * per + sub;
-                if (tid == 0) wg_wait_flag(pp.base, &sk.flags[cta], epoch, phase, layer);
+                if (tid == 0) wg_wait_flag(p, &sk.flags[cta], epoch, phase, layer);
                 __syncthreads();
                 const float* theirs = sk.part + (size_t)cta * TILE;
 #pragma unroll
@@ -696,7 +726,6 @@ __device__ __forceinline__ void wg_phase(const PrefillParams& pp, WgStreamK& sk,
         if constexpr (GU) {
             // The exchange in the stages of the last two K steps (one pair
             // each), or of the only one (both pairs in turn).
-            const u32 n = ke - kb;
             const u32 wgp = (tid >> 7) & 1u;
             const u32 s = (pipe.stage + kWgStages - 1u - (n >= 2u ? wgp : 0u)) % kWgStages;
             wg_epilogue_gate_up<NT>(acc, t_end, d,
