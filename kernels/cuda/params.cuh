@@ -105,9 +105,6 @@ constexpr u32 kFlagPfSkSmallOnly = 1u << 20;
 // A/B (prefill attention, head_dim 128): two half-D warps per head and
 // query block (the v3 attention) instead of one with Q in shared memory.
 constexpr u32 kFlagPfAttnSplitD = 1u << 21;
-// A/B (prefill kernel, wgmma GEMM in a cluster launch): every CTA loads its
-// whole weight tile, no TMA multicast to the cluster partner.
-constexpr u32 kFlagPfNoMulticast = 1u << 22;
 // Profiling: bits kSkipShift.. skip phases (qkv, attention, o_proj, gate_up,
 // down, lm_head) while keeping every barrier; time(full) - time(skip X)
 // is what X costs. Results are garbage in these runs.
@@ -157,7 +154,6 @@ struct PrefillParams {
     u64 qb;          // [T, Q] bf16 rotated queries
     u64 hb;          // [T, I] bf16 silu(gate) * up
     u64 sk;          // stream-K scratch: [G] partial tiles, nonce, [G] flags
-    u64 tmaps;       // [7 L + 4] CUtensorMap of the TMA loads (0: mma.sync GEMM)
     u32 n_tokens;    // n: positions in this chunk (1..=max_tokens)
     u32 start;       // position of tokens[0]
     u32 max_tokens;  // T: rows of every scratch buffer above

@@ -72,11 +72,6 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
     sk.flags = wg_sk_nonce(pp) + 1;
     sk.nonce = s_nonce;
     sk.seq = 0;
-#if QMK_WGMMA
-    // The TMA pipeline's mbarriers (prefill_wgmma.cuh), initialised before
-    // the first GEMM phase; in a cluster launch both CTAs see them.
-    if (wg_enabled(pp)) wg_pipe_init();
-#endif
     for (u32 layer = 0; layer < QMK_LAYERS; ++layer) {
         const LayerView<input_layernorm_t> ln1(p.input_layernorm, layer);
         prefill_rms_norm(pp, layer == 0, [&](u32 i) { return ln1.elem(i); });

@@ -81,90 +81,77 @@ struct QkvTiling {
 // The wgmma versions of the three tile loops (prefill_wgmma.cuh, wg_phase:
 // full waves, then stream-K): NT-token x 256-weight-row tiles (128 columns
 // of gate and of up), the same column-major tile order, epilogues per
-// element. Weights and activations through the tensor maps of
-// PrefillParams::tmaps.
-__device__ __forceinline__ const char* wg_tmap(const PrefillParams& pp, u32 i) {
-    return reinterpret_cast<const char*>(pp.tmaps) + (size_t)i * kTmBytes;
-}
-// Activation map of xa (hb = false) or hb with NT-row boxes.
+// element.
 template <int NT>
-__device__ __forceinline__ const char* wg_act_tmap(const PrefillParams& pp, bool hb) {
-    return wg_tmap(pp, kTmKinds * QMK_LAYERS + (hb ? kTmHb64 : kTmXa64) + (NT == 128 ? 1u : 0u));
-}
-
-template <int NT>
-__device__ __forceinline__ void wg_qkv_tiles(const PrefillParams& pp, u32 layer, char* smem,
+__device__ __forceinline__ void wg_qkv_tiles(const PrefillParams& pp, u32 layer, u32 smem,
                                              WgStreamK& sk) {
     const QkvLayer L(pp.base, layer);
     float* qkv = reinterpret_cast<float*>(pp.qkv);
     using Tiling = QkvTiling<kWgRows>;
-    const char* tm = wg_tmap(pp, layer * kTmKinds + kTmQ);
-    auto desc = [&](u32 w, WgTile& d) {
-        const QkvTile q = Tiling::tile(w);
+    const u32 mt = (pp.n_tokens + NT - 1) / NT;
+    auto desc = [&](u32 tile, WgTile& d, WRows (&w)[1]) {
+        const QkvTile q = Tiling::tile(tile / mt);
+        d.m0 = (tile % mt) * NT;
         d.which = q.which;
         d.n0 = q.n0;
         d.n_end = q.n_end;
-        d.tm0 = d.tm1 = tm + q.which * kTmBytes;  // q, k, v maps are consecutive
-        d.r0 = q.n0;
-        d.r1 = q.n0 + kWgHalfRows;
+        w[0] = L.w(q.which);
     };
     auto epi = [&](const WgTile& d, u32 t, u32 n, const float (&v)[1]) {
         qkv[(size_t)t * QMK_PF_QKV_COLS + qkv_col0(d.which) + n] = v[0] + L.bias(d.which, n);
     };
-    wg_phase<NT, 1, (int)QMK_HIDDEN>(pp, sk, kPhasePfQkv, layer, wg_act_tmap<NT>(pp, false),
-                                     Tiling::TILES, smem, desc, epi);
+    wg_phase<NT, 1, (int)QMK_HIDDEN>(pp, sk, kPhasePfQkv, layer,
+                                     reinterpret_cast<const char*>(pp.xa), QMK_PF_XA_COLS * 2u,
+                                     mt * Tiling::TILES, smem, desc, epi);
 }
 
-// act += a . W^T, W the layer's map `kind` (o_proj or down_proj), a = xa
-// or hb.
-template <int NT, int K>
-__device__ __forceinline__ void wg_residual_tiles(const PrefillParams& pp, u32 layer, u32 kind,
-                                                  bool a_hb, char* smem, WgStreamK& sk, u32 phase) {
+template <int NT, class T, int K>
+__device__ __forceinline__ void wg_residual_tiles(const PrefillParams& pp,
+                                                  const u64 (&chunks)[QMK_MAX_CHUNKS], u32 layer,
+                                                  u64 a, u32 a_cols, u32 smem, WgStreamK& sk,
+                                                  u32 phase) {
+    const WRows wt = wrows<T>(chunks, layer);
     float* act = reinterpret_cast<float*>(pp.act);
     constexpr u32 WT = (QMK_HIDDEN + kWgRows - 1) / kWgRows;
-    const char* tm = wg_tmap(pp, layer * kTmKinds + kind);
-    auto desc = [&](u32 w, WgTile& d) {
-        d.n0 = w * kWgRows;
+    const u32 mt = (pp.n_tokens + NT - 1) / NT;
+    auto desc = [&](u32 tile, WgTile& d, WRows (&w)[1]) {
+        d.m0 = (tile % mt) * NT;
+        d.n0 = (tile / mt) * kWgRows;
         d.n_end = QMK_HIDDEN;
         d.which = 0;
-        d.tm0 = d.tm1 = tm;
-        d.r0 = d.n0;
-        d.r1 = d.n0 + kWgHalfRows;
+        w[0] = wt;
     };
     auto epi = [&](const WgTile&, u32 t, u32 n, const float (&v)[1]) {
         float* dst = act + (size_t)t * QMK_HIDDEN + n;
         *dst = *dst + v[0];
     };
-    wg_phase<NT, 1, K>(pp, sk, phase, layer, wg_act_tmap<NT>(pp, a_hb), WT, smem, desc, epi);
+    wg_phase<NT, 1, K>(pp, sk, phase, layer, reinterpret_cast<const char*>(a), a_cols * 2u,
+                       mt * WT, smem, desc, epi);
 }
 
 template <int NT>
-__device__ __forceinline__ void wg_gate_up_tiles(const PrefillParams& pp, u32 layer, char* smem,
+__device__ __forceinline__ void wg_gate_up_tiles(const PrefillParams& pp, u32 layer, u32 smem,
                                                  WgStreamK& sk) {
+    const Params& p = pp.base;
+    const WRows wg = wrows<gate_proj_t>(p.gate_proj, layer), wu = wrows<up_proj_t>(p.up_proj, layer);
     u16* hb = reinterpret_cast<u16*>(pp.hb);
     constexpr u32 BNT = kWgRows / 2;
     constexpr u32 WT = (QMK_INTER + BNT - 1) / BNT;
-    const char* tg = wg_tmap(pp, layer * kTmKinds + kTmGate);
-    const char* tu = wg_tmap(pp, layer * kTmKinds + kTmUp);
-    auto desc = [&](u32 w, WgTile& d) {
-        d.n0 = w * BNT;
+    const u32 mt = (pp.n_tokens + NT - 1) / NT;
+    auto desc = [&](u32 tile, WgTile& d, WRows (&w)[2]) {
+        d.m0 = (tile % mt) * NT;
+        d.n0 = (tile / mt) * BNT;
         d.n_end = QMK_INTER;
         d.which = 0;
-        d.tm0 = tg;
-        d.tm1 = tu;
-        d.r0 = d.r1 = d.n0;
+        w[0] = wg;
+        w[1] = wu;
     };
     auto epi = [&](const WgTile&, u32 t, u32 n, const float (&v)[2]) {
         hb[(size_t)t * QMK_INTER + n] = f32_to_bf16_rne(silu(v[0]) * v[1]);
     };
-    wg_phase<NT, 2, (int)QMK_HIDDEN>(pp, sk, kPhasePfGateUp, layer, wg_act_tmap<NT>(pp, false), WT,
-                                     smem, desc, epi);
-}
-
-// Whether this launch runs the wgmma GEMM: sm_90a build, tensor maps given,
-// not switched off for an A/B.
-__device__ __forceinline__ bool wg_enabled(const PrefillParams& pp) {
-    return kWgShapesOk && pp.tmaps != 0 && !(pp.base.flags & kFlagPfMmaSync);
+    wg_phase<NT, 2, (int)QMK_HIDDEN>(pp, sk, kPhasePfGateUp, layer,
+                                     reinterpret_cast<const char*>(pp.xa), QMK_PF_XA_COLS * 2u,
+                                     mt * WT, smem, desc, epi);
 }
 
 // Token-tile width of a wgmma phase with wt weight tiles over t tokens: 64
@@ -200,7 +187,7 @@ __device__ __forceinline__ void prefill_qkv(const PrefillParams& pp, u32 layer, 
                                             WgStreamK& sk) {
 #if QMK_WGMMA
     if constexpr (kWgShapesOk) {
-        if (wg_enabled(pp)) {
+        if (!(pp.base.flags & kFlagPfMmaSync)) {
             if (wg_use_nt64(pp.n_tokens, QkvTiling<kWgRows>::TILES))
                 wg_qkv_tiles<64>(pp, layer, wg_smem_base(smem), sk);
             else
@@ -243,13 +230,14 @@ __device__ __forceinline__ void prefill_residual_gemm(const PrefillParams& pp,
                                                       WgStreamK& sk, u32 phase) {
 #if QMK_WGMMA
     if constexpr (kWgShapesOk) {
-        if (wg_enabled(pp)) {
+        if (!(pp.base.flags & kFlagPfMmaSync)) {
             constexpr u32 WT = (QMK_HIDDEN + kWgRows - 1) / kWgRows;
-            const u32 kind = phase == kPhasePfDown ? kTmDown : kTmO;
             if (wg_use_nt64(pp.n_tokens, WT))
-                wg_residual_tiles<64, K>(pp, layer, kind, a == pp.hb, wg_smem_base(smem), sk, phase);
+                wg_residual_tiles<64, T, K>(pp, chunks, layer, a, a_cols, wg_smem_base(smem), sk,
+                                            phase);
             else
-                wg_residual_tiles<128, K>(pp, layer, kind, a == pp.hb, wg_smem_base(smem), sk, phase);
+                wg_residual_tiles<128, T, K>(pp, chunks, layer, a, a_cols, wg_smem_base(smem), sk,
+                                             phase);
             return;
         }
     }
@@ -288,7 +276,7 @@ __device__ __forceinline__ void prefill_gate_up(const PrefillParams& pp, u32 lay
                                                 WgStreamK& sk) {
 #if QMK_WGMMA
     if constexpr (kWgShapesOk) {
-        if (wg_enabled(pp)) {
+        if (!(pp.base.flags & kFlagPfMmaSync)) {
             constexpr u32 WT = (QMK_INTER + kWgRows / 2 - 1) / (kWgRows / 2);
             if (wg_use_nt64(pp.n_tokens, WT))
                 wg_gate_up_tiles<64>(pp, layer, wg_smem_base(smem), sk);

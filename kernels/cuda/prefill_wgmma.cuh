@@ -1,48 +1,27 @@
 // prefill_wgmma.cuh: the prefill GEMM on Hopper's warpgroup tensor cores
-// (wgmma, sm_90a only; other archs, kFlagPfMmaSync and a launch without
-// tensor maps use gemm_tile in prefill_gemm.cuh). Same product, Y[T, N] =
-// X[T, K] . W[N, K]^T, computed transposed: Y^T = W . X^T, so that the
-// weight rows fill wgmma's fixed 64-row M side and the tokens its variable
-// N side (8..256). A 17-token prompt then wastes nothing on padding rows of
-// the weight stream, and a 2,048-token one uses the same tiles as any other
-// shape.
+// (wgmma, sm_90a only; other archs and kFlagPfMmaSync use gemm_tile in
+// prefill_gemm.cuh). Same product, Y[T, N] = X[T, K] . W[N, K]^T, computed
+// transposed: Y^T = W . X^T, so that the weight rows fill wgmma's fixed
+// 64-row M side and the tokens its variable N side (8..256). A 17-token
+// prompt then wastes nothing on padding rows of the weight stream, and a
+// 2,048-token one uses the same tiles as any other shape.
 //
 // CTA tile: 256 weight rows (4 warpgroups x 64, each its own rows) x NT
 // tokens (NT = 128 or 64, chosen per phase), K step 64 = one 128-byte row,
 // which is exactly one 128-byte swizzle atom: both operands are stored
 // K-major in shared memory, 16-byte chunk c of row r at chunk c ^ (r % 8)
-// (the SWIZZLE_128B pattern that wgmma reads and TMA writes).
+// (the SWIZZLE_128B pattern wgmma reads; no bank conflicts for the cp.async
+// writes either). kWgStages shared-memory stages; loads run kWgStages - 2
+// stages ahead, so one batch of wgmma stays in flight (wait_group 1) while
+// the next is issued, and a stage is refilled only after every warpgroup's
+// reads of it have retired. Every thread loads (16-byte cp.async.cg,
+// zero-fill past the valid rows); cp.async writes through the generic proxy,
+// so each thread fences to the async proxy before the barrier that hands
+// the stage to the tensor cores.
 //
-// Loads (v4): the tensor memory accelerator. Thread 0 issues, per K step,
-// one TMA box of NT token rows and two of 128 weight rows (tensor maps
-// built by the host, PrefillParams::tmaps; rows past a tensor's end read
-// as zero), completing on the stage's `full` mbarrier; each warp releases
-// a stage on its `empty` mbarrier once its wgmma reads have retired, and
-// thread 0 waits for that before refilling it. kWgStages stages, loads
-// kWgStages - 2 steps ahead (one wgmma batch stays in flight). No thread
-// computes a load address: the v3 cp.async loaders spilled.
-//
-// Multicast (launch with 2-CTA clusters): the two CTAs of a cluster take
-// token tiles 2u and 2u + 1 of the same weight tile; each loads one
-// 128-row half of the weights and multicasts it into both CTAs' shared
-// memory, so each CTA reads 2/3 of the bytes per K step from L2 (16 KB of
-// weights + 16 KB of tokens instead of 32 + 16). The GEMM phases behave as
-// bound by L2 -> SM bandwidth (NOTES, prefill v3.1). A CTA's `empty`
-// barrier then also counts its partner's warps: a half is rewritten only
-// when both CTAs are done with it.
-//
-// NB = 2 (gate and up): weight rows 0..127 of the tile are gate columns
-// n0.., rows 128..255 up columns n0..: warpgroup w (gate) and w + 2 (up)
-// hold gate and up of the same elements, and trade half of their
-// accumulators through shared memory (gate of the second half of the
-// tokens one way, up of the first half the other), so each computes half
-// of the outputs. The exchange uses the stages of the tile's last two K
-// steps, released only after it (the cluster partner may already be
-// refilling the others).
-//
-// Pipeline state lives in shared memory, not registers: it persists
-// through every phase of the launch, and the attention and the
-// accumulators need the registers.
+// NB = 2 (gate and up): A rows alternate in blocks of 8, gate rows n..n+7
+// then up rows n..n+7, so a thread's two accumulator rows (g and g + 8) are
+// gate and up of the same output column. A tile then covers 128 columns.
 //
 // Accumulator layout (PTX ISA, wgmma .m64nNk16 f32): warp q of the
 // warpgroup owns rows 16q..16q+15; lane (g = lane / 4, c = lane % 4) holds
@@ -60,23 +39,13 @@ namespace qmk {
 
 constexpr u32 kWgBK = 64;         // K per stage (bf16): one 128-byte row
 constexpr u32 kWgRows = 256;      // weight rows per CTA tile (4 warpgroups x 64)
-constexpr u32 kWgHalfRows = 128;  // weight rows per TMA box (one per cluster rank)
 constexpr u32 kWgTokMax = 128;    // tokens per CTA tile, largest NT
 constexpr u32 kWgStages = 4;
 constexpr u32 kWgStageBytes = (kWgRows + kWgTokMax) * 128u;  // 48 KB
-// Dynamic shared memory of the wgmma GEMM: its stages plus 1 KB to align
+// Dynamic shared memory of the wgmma mainloop: its stages plus 1 KB to align
 // the base to the 1,024-byte swizzle period. Host twin:
 // qmk_kernels::prefill_smem_bytes_wgmma.
 constexpr u32 wg_smem_bytes() { return kWgStages * kWgStageBytes + 1024u; }
-// One warpgroup pair's gate/up exchange: half of each one's accumulators.
-static_assert(2u * (kWgTokMax / 4u) * 128u * 4u <= kWgStageBytes, "a pair's exchange fits a stage");
-
-// The tensor maps (PrefillParams::tmaps, host: qmk_kernels::tma): per layer
-// q, k, v, o, gate, up, down (box 64 x 128 rows), then the activations.
-constexpr u32 kTmKinds = 7;
-constexpr u32 kTmQ = 0, kTmO = 3, kTmGate = 4, kTmUp = 5, kTmDown = 6;
-constexpr u32 kTmXa64 = 0, kTmXa128 = 1, kTmHb64 = 2, kTmHb128 = 3;  // + 7 L
-constexpr u32 kTmBytes = 128;
 
 // The K of every prefill GEMM must be whole stages for this path.
 constexpr bool kWgShapesOk = QMK_HIDDEN % kWgBK == 0 && QMK_Q_DIM % kWgBK == 0 && QMK_INTER % kWgBK == 0;
@@ -168,218 +137,101 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], u64 da, u64 db) 
         : "l"(da), "l"(db), "r"(1));
 }
 
-
-// --- mbarriers, TMA, clusters (PTX ISA 8.0, sm_90) ---
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
-    u32 ok;
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(bar), "r"(parity)
-        : "memory");
-    return ok != 0u;
-}
-// Waits for the phase of parity `parity` of `bar`, bounded like the grid
-// barrier (timeout, host abort, another CTA's error: it then returns and
-// the phase computes garbage that the failed launch never reports).
-__device__ __forceinline__ void mbar_wait(const Params& p, u32 bar, u32 parity) {
-    u32 it = 0;
-    u64 t0 = 0;
-    while (!mbar_try_wait(bar, parity)) {
-        if ((++it & 15u) == 0u) {
-            const u64 now = globaltimer_ns();
-            if (t0 == 0) t0 = now;
-            const volatile HostStatus* st = reinterpret_cast<const volatile HostStatus*>(p.status);
-            SyncState* s = reinterpret_cast<SyncState*>(p.sync);
-            if (st->abort != 0u || *reinterpret_cast<volatile u32*>(&s->error_claim) != 0u ||
-                now - t0 > p.spin_timeout_ns) {
-                if (now - t0 > p.spin_timeout_ns) record_error(p, kErrBarrierTimeout, kPhaseStart, 0);
-                return;
-            }
-        }
-    }
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar, u32 count) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Arrives on the barrier at the same offset in cluster CTA `peer`.
-__device__ __forceinline__ void mbar_arrive_peer(u32 bar, u32 peer) {
-    asm volatile(
-        "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-        "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" ::"r"(bar),
-        "r"(peer)
-        : "memory");
-}
-// Box {x (K element), y (row)} of tensor map `tm` into this CTA's shared
-// memory at `dst`, completing `bytes` on `bar`.
-__device__ __forceinline__ void tma_load(u32 dst, const char* tm, u32 bar, u32 x, u32 y) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
-        "l"(tm), "r"(bar), "r"(x), "r"(y)
-        : "memory");
-}
-// The same box into both CTAs of the cluster (same shared offsets, each
-// completing on its own `bar`).
-__device__ __forceinline__ void tma_load_pair(u32 dst, const char* tm, u32 bar, u32 x, u32 y) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-        ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
-        "l"(tm), "r"(bar), "r"(x), "r"(y), "h"((unsigned short)3)
-        : "memory");
-}
-__device__ __forceinline__ u32 cluster_nctarank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ u32 cluster_ctarank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-    return r;
-}
-// Every thread of both CTAs; orders their earlier memory accesses
-// (shared::cluster included) before the other's later ones.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
-                     : "memory");
+// The 1,024-byte-aligned start of the wgmma stages inside the dynamic smem.
+__device__ __forceinline__ u32 wg_smem_base(const void* dyn) {
+    const u32 s = smem_u32(dyn);
+    return (s + 1023u) & ~1023u;
 }
 
-// The pipeline's state (see the header): full[kWgStages] then
-// empty[kWgStages] mbarriers; bit s of qmk_wg_fpar: parity of the next
-// full[s] phase (saved between phases); of qmk_wg_epar: the parity thread 0
-// waits for on empty[s] before refilling it (thread 0 only).
-__shared__ __align__(8) u64 qmk_wg_bars[2 * kWgStages];
-__shared__ u32 qmk_wg_fpar, qmk_wg_epar;
-// Thread 0's producer: the tile it is loading (maps, rows, K steps k..kend)
-// and its own copy of the phase's work iterator, which runs ahead of the
-// consumers' by up to one tile, so a tile's first stages load during the
-// previous tile's last steps and epilogue (thread 0 alone writes and reads
-// this: kept out of every thread's registers).
-struct WgProd {
-    const char* tm0;
-    const char* tm1;
-    u32 r0, r1, m0, k, kend;
-    u32 dp, it;  // work iterator (WgWork)
-    u32 count;   // K steps issued in this phase
-};
-__shared__ WgProd qmk_wg_prod;
-
-__device__ __forceinline__ u32 wg_full(u32 s) { return smem_u32(&qmk_wg_bars[s]); }
-__device__ __forceinline__ u32 wg_empty(u32 s) { return smem_u32(&qmk_wg_bars[kWgStages + s]); }
-
-// The dynamic shared memory (the kernel's qmk_dyn_smem: every extern
-// shared array starts there), named here so that its address folds to a
-// constant instead of living in a register through the mainloop.
-extern __shared__ __align__(16) unsigned char qmk_wg_dyn[];
-// The 1,024-byte-aligned start of the wgmma stages inside the dynamic smem
-// (the swizzle period; TMA's SWIZZLE_128B boxes need it).
-__device__ __forceinline__ char* wg_smem_base(void*) {
-    const u32 s = smem_u32(qmk_wg_dyn);
-    return reinterpret_cast<char*>(qmk_wg_dyn) + (((s + 1023u) & ~1023u) - s);
+// Weight-row slot r (0..255) of a tile -> (tensor, column): NB = 1 rows in
+// order; NB = 2 blocks of 8 gate rows then the same 8 columns of up.
+template <int NB>
+__device__ __forceinline__ u32 wg_col(u32 n0, u32 r) {
+    return NB == 1 ? n0 + r : n0 + (r >> 4) * 8u + (r & 7u);
 }
 
-// Kernel start, every CTA (before its first grid barrier): the mbarriers
-// (full: thread 0's arrival + the bytes; empty: 16 warps x 2, one arrival
-// from each warp of both CTAs of a pair, or two from each local warp).
-__device__ __forceinline__ void wg_pipe_init() {
-    if (threadIdx.x == 0) {
-        for (u32 s = 0; s < kWgStages; ++s) {
-            mbar_init(wg_full(s), 1u);
-            mbar_init(wg_empty(s), 2u * QMK_WARPS);
-        }
-        qmk_wg_fpar = 0;
-        qmk_wg_epar = (1u << kWgStages) - 1u;  // a fresh barrier passes parity 1
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    if (cluster_nctarank() > 1) cluster_sync();
-    else __syncthreads();
-}
-
-// One phase's view of the pipeline: the stage of the next K step (0 at
-// each phase start), the full parities, and whether this CTA shares its
-// weight loads with its cluster partner (mc, rank).
-struct WgPipe {
-    u32 stage, cons, fpar, rank;  // cons: K steps consumed in this phase
-    bool mc;
-};
-
-// One tile: token rows m0.., weight columns n0.. (n < n_end valid), which
-// tensor group (q / k / v) for the qkv epilogue, and its weights as two
-// 128-row boxes (map tm0 at row r0, map tm1 at row r1; NB = 1: the same
-// map at n0 and n0 + 128; NB = 2: gate and up at n0).
+// One CTA tile's description: token rows m0.., weight columns n0.. (n <
+// n_end valid) of the phase's tensors, and which tensor group (q / k / v)
+// for the qkv epilogue.
 struct WgTile {
     u32 m0, n0, n_end, which;
-    const char* tm0;
-    const char* tm1;
-    u32 r0, r1;
 };
 
-// This warp is done with stage s (its wgmma reads have retired): one
-// arrival on empty[s] here and one in the partner (multicast: the
-// partner's producer writes this stage too), or two here.
-__device__ __forceinline__ void wg_release(const WgPipe& pp, u32 s) {
-    if ((threadIdx.x & 31u) == 0u) {
-        if (pp.mc) {
-            mbar_arrive(wg_empty(s), 1u);
-            mbar_arrive_peer(wg_empty(s), pp.rank ^ 1u);
-        } else {
-            mbar_arrive(wg_empty(s), 2u);
-        }
-    }
-}
-
-// Releases the stages a DEFER mainloop kept (its last one or two K steps),
-// after this thread's generic accesses of them (the exchange): the TMA
-// refills them through the async proxy.
-__device__ __forceinline__ void wg_release_kept(const WgPipe& pp, u32 n) {
-    fence_proxy_async();
-    __syncwarp();
-    wg_release(pp, (pp.stage + kWgStages - 1u) % kWgStages);
-    if (n >= 2u) wg_release(pp, (pp.stage + kWgStages - 2u) % kWgStages);
-}
-
-// Mainloop of one tile: its n K steps, the phase's steps pp.stage.. in
-// pipeline order; acc (zeroed here) = W[n0.., kb..ke] . X[m0.., kb..ke]^T.
-// produce(upto): thread 0 issues the phase's loads up to step `upto`
-// (exclusive), kWgStages - 2 steps ahead of the one consumed, across tile
-// boundaries. pp.mc: this CTA and its cluster partner run the same steps
-// of tiles that share the weights, each loading one half for both. DEFER:
-// the stages of the last two steps stay held (wg_release_kept).
-template <int NT, bool DEFER, class Produce>
-__device__ __forceinline__ void wg_mainloop(const Params& p, WgPipe& pp, u32 smem, u32 n,
-                                            float (&acc)[NT / 2], Produce& produce) {
+// Mainloop of one tile over K steps [kb, ke) (K steps of kWgBK): acc (zeroed
+// here) = W[n0.., kb..ke] . X[m0.., kb..ke]^T. a: X [T, K] bf16, row pitch
+// lda_bytes; rows >= t_end and columns >= n_end read as zero; smem:
+// wg_smem_base.
+template <int NT, int NB, int K>
+__device__ __forceinline__ void wg_mainloop(const char* a, u32 lda_bytes, u32 t_end, u32 m0,
+                                            const WRows (&w)[NB], u32 n0, u32 n_end, u32 smem,
+                                            u32 kb, u32 ke, float (&acc)[NT / 2]) {
     static_assert(NT == 64 || NT == 128, "NT is 64 or 128");
+    static_assert(NB == 1 || NB == 2, "one or two weight tensors");
+    static_assert(K % kWgBK == 0, "K must be whole stages");
     static_assert(QMK_THREADS == 512, "the wgmma tile assumes 4 warpgroups");
-    constexpr u32 AHEAD = kWgStages - 2;  // steps loaded ahead
-    constexpr int R = NT / 2;             // accumulators per thread
-    const u32 stage0 = pp.stage;
+    constexpr u32 AHEAD = kWgStages - 2;          // stages loaded ahead
+    constexpr u32 BPT = NT * 8u / QMK_THREADS;    // B chunks per thread: 2 or 1
+    constexpr int R = NT / 2;                     // accumulators per thread
+
+    const u32 tid = threadIdx.x, warp = tid >> 5, wg = warp >> 2;
+    // Loader: thread tid copies 16-byte chunk c = tid % 8 of rows tid / 8 +
+    // 64 i (A: i < 4, B: i < BPT); the swizzled chunk is the same for all of
+    // them (row % 8 = (tid / 8) % 8).
+    const u32 c = tid & 7u, r0 = tid >> 3;
+    const u32 swz = ((c ^ (r0 & 7u)) * 16u) + r0 * 128u;
+    const char* asrc[4];
+    u32 aok[4];
+#pragma unroll
+    for (u32 i = 0; i < 4; ++i) {
+        const u32 r = r0 + 64u * i;
+        const u32 wt = NB == 1 ? 0u : ((r >> 3) & 1u);
+        const u32 n = wg_col<NB>(n0, r);
+        aok[i] = n < n_end ? 16u : 0u;
+        const WRows& wr = w[NB == 1 ? 0 : (wt ? NB - 1 : 0)];
+        asrc[i] = wr.row(aok[i] ? n : n0) + c * 16u;
+    }
+    const char* bsrc[BPT];
+    u32 bok[BPT];
+#pragma unroll
+    for (u32 i = 0; i < BPT; ++i) {
+        const u32 t = m0 + r0 + 64u * i;
+        bok[i] = t < t_end ? 16u : 0u;
+        bsrc[i] = a + (size_t)(bok[i] ? t : m0) * lda_bytes + c * 16u;
+    }
+    auto load_stage = [&](u32 kt, u32 s) {
+        const u32 st = smem + s * kWgStageBytes + swz;
+        const u32 ko = kt * kWgBK * 2u;
+#pragma unroll
+        for (u32 i = 0; i < 4; ++i) cp_async16(st + i * 64u * 128u, asrc[i] + ko, aok[i]);
+#pragma unroll
+        for (u32 i = 0; i < BPT; ++i)
+            cp_async16(st + kWgRows * 128u + i * 64u * 128u, bsrc[i] + ko, bok[i]);
+    };
+
 #pragma unroll
     for (int i = 0; i < R; ++i) acc[i] = 0.0f;
-    constexpr u32 b_off = kWgRows * 128u;
+
+    // The previous tile's wgmma reads are retired (wait_group 0 below) in
+    // every warpgroup before the prologue overwrites its stages.
+    __syncthreads();
+#pragma unroll
+    for (u32 s = 0; s < AHEAD; ++s) {
+        if (kb + s < ke) load_stage(kb + s, s);
+        cp_async_commit();
+    }
+    const u32 a_off = wg * 64u * 128u, b_off = kWgRows * 128u;
 #pragma unroll 1
-    for (u32 i = 0; i < n; ++i) {
-        // The stage of step i + AHEAD last held step i - 2, released in
-        // iteration i - 1: this wait rarely stalls.
-        if (threadIdx.x == 0) produce(pp.cons + i + AHEAD + 1u);
-        const u32 s = (stage0 + i) % kWgStages;
-        mbar_wait(p, wg_full(s), (pp.fpar >> s) & 1u);
-        pp.fpar ^= 1u << s;
-        const u32 st = smem + s * kWgStageBytes;
-        // The warpgroup's A rows, recomputed each step from %tid (volatile:
-        // not hoisted), else ptxas keeps smem + a_off in a spilled register
-        // whose reload sits between the full wait and the wgmma issue.
-        u32 tx;
-        asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tx));
-        const u64 da = wg_desc(st + (tx >> 7) * 64u * 128u), db = wg_desc(st + b_off);
+    for (u32 i = 0; kb + i < ke; ++i) {
+        cp_async_wait<(int)AHEAD - 1>();
+        fence_proxy_async();
+        // Stage i is in every thread's view; the wgmma batches of i - 2 and
+        // before have retired in every warpgroup (wait_group 1 at the end of
+        // iteration i - 1), so their stage can be refilled.
+        __syncthreads();
+        if (kb + i + AHEAD < ke) load_stage(kb + i + AHEAD, (i + AHEAD) % kWgStages);
+        cp_async_commit();
+        const u32 st = smem + (i % kWgStages) * kWgStageBytes;
+        const u64 da = wg_desc(st + a_off), db = wg_desc(st + b_off);
         wg_fence_acc(acc);
         wg_fence();
 #pragma unroll
@@ -393,19 +245,15 @@ __device__ __forceinline__ void wg_mainloop(const Params& p, WgPipe& pp, u32 sme
         wg_commit();
         wg_wait<1>();
         wg_fence_acc(acc);
-        // Step i - 1's batch has retired: its stage may be refilled.
-        if (i > 0 && (!DEFER || i + 1u < n)) wg_release(pp, (s + kWgStages - 1u) % kWgStages);
     }
     wg_wait<0>();
     wg_fence_acc(acc);
-    pp.stage = (stage0 + n) % kWgStages;
-    pp.cons += n;
-    if (!DEFER && n > 0) wg_release(pp, (pp.stage + kWgStages - 1u) % kWgStages);
+    cp_async_wait<0>();
 }
 
-// Hands a tile's accumulators to epi(tile, t, n, v[1]): one output element,
-// every valid (t, n) exactly once.
-template <int NT, class Epi>
+// Hands a tile's accumulators to epi(tile, t, n, v[NB]): one output element
+// (one value per tensor), every valid (t, n) exactly once.
+template <int NT, int NB, class Epi>
 __device__ __forceinline__ void wg_epilogue(const float (&acc)[NT / 2], u32 t_end, const WgTile& d,
                                             Epi& epi) {
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
@@ -417,87 +265,23 @@ __device__ __forceinline__ void wg_epilogue(const float (&acc)[NT / 2], u32 t_en
         for (u32 e = 0; e < 2; ++e) {
             const u32 t = d.m0 + j * 8u + 2u * cc + e;
             if (t >= t_end) continue;
+            if constexpr (NB == 1) {
 #pragma unroll
-            for (u32 h = 0; h < 2; ++h) {
-                const u32 n = d.n0 + row + 8u * h;
+                for (u32 h = 0; h < 2; ++h) {
+                    const u32 n = d.n0 + row + 8u * h;
+                    if (n < d.n_end) {
+                        const float v[1] = {acc[4 * j + 2 * h + e]};
+                        epi(d, t, n, v);
+                    }
+                }
+            } else {
+                const u32 n = wg_col<NB>(d.n0, row);
                 if (n < d.n_end) {
-                    const float v[1] = {acc[4 * j + 2 * h + e]};
+                    const float v[2] = {acc[4 * j + e], acc[4 * j + 2 + e]};
                     epi(d, t, n, v);
                 }
             }
         }
-    }
-}
-
-// The gate/up epilogue (NB = 2): epi(tile, t, n, {gate, up}) for every
-// valid element. Warpgroups w (gate) and w + 2 (up) trade half of their
-// accumulators through `xp` (the pair's [2][R / 2][128] f32 area: gate of
-// the second token half, up of the first): the gate warpgroup then finishes
-// the first half of the tokens, the up one the second. serial: both pairs
-// share one area, one pair at a time. Every thread of the CTA calls this.
-template <int NT, class Epi>
-__device__ __forceinline__ void wg_epilogue_gate_up(const float (&acc)[NT / 2], u32 t_end,
-                                                    const WgTile& d, float* xp, bool serial,
-                                                    Epi& epi) {
-    constexpr u32 R = (u32)NT / 2, H = R / 2, J = (u32)NT / 16;  // J: 8-token blocks per half
-    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-    const u32 q = warp & 3u, g = lane >> 2, cc = lane & 3u, lt = tid & 127u;
-    const u32 pair = wg & 1u;
-    const bool up = wg >= 2u;
-    const u32 row = pair * 64u + q * 16u + g;  // gate / up column of acc[4j]
-    float* xg = xp;            // [H][128] gate, tokens of blocks J..2J-1
-    float* xu = xp + H * 128u;  // [H][128] up, tokens of blocks 0..J-1
-#pragma unroll 1
-    for (u32 r = 0; r < (serial ? 2u : 1u); ++r) {
-        const bool mine = !serial || pair == r;
-        if (mine) {
-            if (!up) {
-#pragma unroll
-                for (u32 i = 0; i < H; ++i) xg[i * 128u + lt] = acc[H + i];
-            } else {
-#pragma unroll
-                for (u32 i = 0; i < H; ++i) xu[i * 128u + lt] = acc[i];
-            }
-        }
-        __syncthreads();
-        if (mine) {
-            if (!up) {
-#pragma unroll
-                for (u32 j = 0; j < J; ++j) {
-#pragma unroll
-                    for (u32 e = 0; e < 2; ++e) {
-                        const u32 t = d.m0 + j * 8u + 2u * cc + e;
-                        if (t >= t_end) continue;
-#pragma unroll
-                        for (u32 h = 0; h < 2; ++h) {
-                            const u32 n = d.n0 + row + 8u * h, i = 4u * j + 2u * h + e;
-                            if (n < d.n_end) {
-                                const float v[2] = {acc[i], xu[i * 128u + lt]};
-                                epi(d, t, n, v);
-                            }
-                        }
-                    }
-                }
-            } else {
-#pragma unroll
-                for (u32 j = J; j < 2u * J; ++j) {
-#pragma unroll
-                    for (u32 e = 0; e < 2; ++e) {
-                        const u32 t = d.m0 + j * 8u + 2u * cc + e;
-                        if (t >= t_end) continue;
-#pragma unroll
-                        for (u32 h = 0; h < 2; ++h) {
-                            const u32 n = d.n0 + row + 8u * h, i = 4u * j + 2u * h + e;
-                            if (n < d.n_end) {
-                                const float v[2] = {xg[(i - H) * 128u + lt], acc[i]};
-                                epi(d, t, n, v);
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        if (serial) __syncthreads();
     }
 }
 
@@ -556,149 +340,63 @@ __device__ __forceinline__ u32 wg_dp_tiles(u32 tiles, u32 G, u32 flags) {
     return tiles - tail;
 }
 
-// One GEMM phase over `wt` weight tiles x the chunk's token tiles
-// (desc(w, d) describes weight tile w; column-major order, token tile
-// fastest). Work units: a CTA, or with multicast (a 2-CTA cluster launch,
-// at least two token tiles, no kFlagPfNoMulticast) a cluster, whose rank-r
-// CTA takes token tile 2u + r (a tile past the chunk computes zeros and
-// writes nothing). Units run the data-parallel head (wg_dp_tiles; unit b
-// takes tiles b, b + U, ...), then stream-K: the other tiles' K steps laid
-// end to end and cut into equal ranges, one per unit (at most U ranges,
-// each at least kWgMinSplitSteps of a tile's K steps), so a phase of few
-// tiles, or a last wave of few, still uses every SM. A range covers the
-// tail of at most one tile (a partial, computed first and published
-// through the scratch, one per CTA), then heads of tiles: the unit that
-// computes a tile's K step 0 adds the later ranges' partials in unit order
-// (deterministic: the same bits every run, both backends) and runs the
-// epilogue. No unit waits for work its waited-on unit does after its own
-// wait, so there is no cycle.
+// One GEMM phase of `tiles` tiles (desc(tile, d, w) describes tile i): the
+// data-parallel head (wg_dp_tiles; CTA b takes tiles b, b + G, ...), then
+// stream-K: the other tiles' K steps laid end to end and cut into equal
+// ranges, one per CTA (at most G ranges, each at least kWgMinSplitSteps of
+// a tile's K steps), so a phase of few tiles, or a last wave of few, still
+// uses every SM. A range covers the tail of at most one tile (a partial,
+// computed first and published through the scratch), then heads of tiles:
+// the CTA that computes a tile's K step 0 adds the later ranges' partials
+// in CTA order (deterministic: the same bits every run, both backends) and
+// runs the epilogue. No CTA waits for work its waited-on CTA does after its
+// own wait, so there is no cycle.
 // One mainloop and one epilogue call site (NVRTC compile time).
 template <int NT, int NB, int K, class Desc, class Epi>
 __device__ __forceinline__ void wg_phase(const PrefillParams& pp, WgStreamK& sk, u32 phase,
-                                         u32 layer, const char* am, u32 wt, char* base, Desc desc,
-                                         Epi epi) {
-    static_assert(K % kWgBK == 0, "K must be whole stages");
+                                         u32 layer, const char* a, u32 lda_bytes, u32 tiles,
+                                         u32 smem, Desc desc, Epi epi) {
     constexpr u32 KT = (u32)K / kWgBK;
     constexpr int R = NT / 2;
     constexpr u32 TILE = kWgRows * kWgTokMax;  // floats per partial slot
-    constexpr u32 TX = kWgRows * 128u + (u32)NT * 128u;  // bytes per stage
-    constexpr bool GU = NB == 2;
-    const Params& p = pp.base;
-    const u32 t_end = pp.n_tokens, tid = threadIdx.x;
-    const u32 mt = (t_end + NT - 1) / NT;
-    WgPipe pipe;
-    pipe.stage = 0;
-    pipe.cons = 0;
-    pipe.fpar = qmk_wg_fpar;
-    pipe.rank = cluster_ctarank();
-    pipe.mc = cluster_nctarank() == 2u && mt >= 2u && !(p.flags & kFlagPfNoMulticast);
-    const u32 per = pipe.mc ? 2u : 1u, sub = pipe.mc ? pipe.rank : 0u;
-    const u32 U = gridDim.x / per, u = blockIdx.x / per;
-    const u32 mu = (mt + per - 1) / per;  // token units per weight tile
-    const u32 tiles = wt * mu;
+    const u32 G = gridDim.x, t_end = pp.n_tokens, tid = threadIdx.x;
     sk.seq += 1;
     const u64 epoch = ((u64)sk.nonce << 32) | sk.seq;
-    const u32 full = wg_dp_tiles(tiles, U, p.flags);
+    const u32 full = wg_dp_tiles(tiles, G, pp.base.flags);
     const u32 rem = tiles - full;
     constexpr u32 max_split = KT / kWgMinSplitSteps > 1 ? KT / kWgMinSplitSteps : 1;
-    const u32 gsk = min(U, rem * max_split);  // units sharing the stream-K tiles
+    const u32 gsk = min(G, rem * max_split);  // CTAs sharing the stream-K tiles
     const u32 iters = rem * KT;
     auto range_start = [&](u32 b) { return (u32)((u64)iters * b / gsk); };
-    u32 it0 = 0, e = 0;
-    if (u < gsk) {
-        it0 = range_start(u);
-        e = range_start(u + 1);
+    u32 it = 0, e = 0;
+    if (blockIdx.x < gsk) {
+        it = range_start(blockIdx.x);
+        e = range_start(blockIdx.x + 1);
     }
-    // The unit's work, in order: data-parallel tiles dp, dp + U, ..., then
-    // stream-K pieces of [it, e). Walked by the consumers and, ahead of
-    // them, by thread 0's producer.
-    auto next = [&](u32& dp, u32& it, u32& tile, u32& kb, u32& ke) -> bool {
+    u32 dp = blockIdx.x;  // next data-parallel tile
+    float acc[R];
+    for (;;) {
+        u32 tile, kb, ke;
         if (dp < full) {
             tile = dp;
             kb = 0;
             ke = KT;
-            dp += U;
-            return true;
-        }
-        if (it < e) {
-            tile = full + it / KT;
+            dp += G;
+        } else if (it < e) {
+            const u32 r = it / KT;
+            tile = full + r;
             kb = it % KT;
             ke = min(KT, kb + (e - it));
             it += ke - kb;
-            return true;
+        } else {
+            break;
         }
-        return false;
-    };
-    auto describe = [&](u32 tile, WgTile& d) {
-        desc(tile / mu, d);
-        d.m0 = ((tile % mu) * per + sub) * NT;
-    };
-    const u32 smem = smem_u32(base);
-    // Thread 0: issues the phase's K steps up to `upto` (exclusive), each
-    // once every warp (of both CTAs) has released its stage's previous step.
-    auto produce = [&](u32 upto) {
-        volatile WgProd& w = qmk_wg_prod;
-        while (w.count < upto) {
-            if (w.k == w.kend) {
-                u32 dp = w.dp, it = w.it, tile, kb, ke;
-                if (!next(dp, it, tile, kb, ke)) return;
-                WgTile d;
-                describe(tile, d);
-                w.dp = dp;
-                w.it = it;
-                w.tm0 = d.tm0;
-                w.tm1 = d.tm1;
-                w.r0 = d.r0;
-                w.r1 = d.r1;
-                w.m0 = d.m0;
-                w.k = kb;
-                w.kend = ke;
-            }
-            const u32 c = w.count, s = c % kWgStages;
-            const u32 ep = qmk_wg_epar;
-            mbar_wait(p, wg_empty(s), (ep >> s) & 1u);
-            qmk_wg_epar = ep ^ (1u << s);
-            mbar_arrive_expect_tx(wg_full(s), TX);
-            const u32 st = smem + s * kWgStageBytes;
-            const u32 x = w.k * kWgBK;
-            tma_load(st + kWgRows * 128u, am, wg_full(s), x, w.m0);
-            if (pipe.mc) {
-                const bool hi = pipe.rank != 0u;
-                tma_load_pair(st + (hi ? kWgHalfRows * 128u : 0u), hi ? w.tm1 : w.tm0, wg_full(s), x,
-                              hi ? w.r1 : w.r0);
-            } else {
-                tma_load(st, w.tm0, wg_full(s), x, w.r0);
-                tma_load(st + kWgHalfRows * 128u, w.tm1, wg_full(s), x, w.r1);
-            }
-            w.k = w.k + 1u;
-            w.count = c + 1u;
-        }
-    };
-    if (tid == 0) {
-        volatile WgProd& w = qmk_wg_prod;
-        w.dp = u;
-        w.it = it0;
-        w.k = w.kend = 0;
-        w.count = 0;
-    }
-    // The last phase's generic shared-memory accesses (attention, norms, the
-    // gate/up exchange) before this phase's TMA writes, in both CTAs of a
-    // pair.
-    fence_proxy_async();
-    if (pipe.mc) cluster_sync();
-    else __syncthreads();
-    float acc[R];
-    u32 dp = u, it = it0;
-    for (;;) {
-        u32 tile, kb, ke;
-        if (!next(dp, it, tile, kb, ke)) break;
         WgTile d;
-        describe(tile, d);
-        const u32 n = ke - kb;
-        wg_mainloop<NT, GU>(p, pipe, smem, n, acc, produce);
+        WRows w[NB];
+        desc(tile, d, w);
+        wg_mainloop<NT, NB, K>(a, lda_bytes, t_end, d.m0, w, d.n0, d.n_end, smem, kb, ke, acc);
         if (kb != 0) {
             // The tail of a tile: publish the partial for its owner.
-            if constexpr (GU) wg_release_kept(pipe, n);
             float* mine = sk.part + (size_t)blockIdx.x * TILE;
 #pragma unroll
             for (int i = 0; i < R; ++i) mine[(u32)i * QMK_THREADS + tid] = acc[i];
@@ -707,38 +405,22 @@ __device__ __forceinline__ void wg_phase(const PrefillParams& pp, WgStreamK& sk,
             continue;
         }
         if (ke < KT) {
-            // The owner of a split tile: the later ranges' partials, in unit
-            // order (an empty range has none), each from the CTA of the same
-            // rank.
+            // The owner of a split tile: the later ranges' partials, in CTA
+            // order (an empty range has none).
             const u32 tile_end = (tile - full + 1) * KT;
-            for (u32 b = u + 1; b < gsk; ++b) {
+            for (u32 b = blockIdx.x + 1; b < gsk; ++b) {
                 const u32 bs = range_start(b);
                 if (bs >= tile_end) break;
                 if (range_start(b + 1) == bs) continue;
-                const u32 cta = b * per + sub;
-                if (tid == 0) wg_wait_flag(p, &sk.flags[cta], epoch, phase, layer);
+                if (tid == 0) wg_wait_flag(pp.base, &sk.flags[b], epoch, phase, layer);
                 __syncthreads();
-                const float* theirs = sk.part + (size_t)cta * TILE;
+                const float* theirs = sk.part + (size_t)b * TILE;
 #pragma unroll
                 for (int i = 0; i < R; ++i) acc[i] += __ldcg(theirs + (u32)i * QMK_THREADS + tid);
             }
         }
-        if constexpr (GU) {
-            // The exchange in the stages of the last two K steps (one pair
-            // each), or of the only one (both pairs in turn).
-            const u32 wgp = (tid >> 7) & 1u;
-            const u32 s = (pipe.stage + kWgStages - 1u - (n >= 2u ? wgp : 0u)) % kWgStages;
-            wg_epilogue_gate_up<NT>(acc, t_end, d,
-                                    reinterpret_cast<float*>(base + s * kWgStageBytes), n < 2u, epi);
-            wg_release_kept(pipe, n);
-        } else {
-            wg_epilogue<NT>(acc, t_end, d, epi);
-        }
+        wg_epilogue<NT, NB>(acc, t_end, d, epi);
     }
-    if (tid == 0) qmk_wg_fpar = pipe.fpar;
-    // The partner's last arrivals on this CTA's barriers have landed before
-    // either CTA goes on (or exits).
-    if (pipe.mc) cluster_sync();
 }
 
 #endif  // QMK_WGMMA

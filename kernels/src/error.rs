@@ -45,19 +45,6 @@ pub enum KernelsError {
         #[source]
         source: std::io::Error,
     },
-    /// A TMA tensor map of the prefill kernel ([`crate::tma`]) that cannot
-    /// be encoded: a misaligned address or row pitch, a shape outside the
-    /// TMA limits, or the driver's refusal. `what` names the map
-    /// (`"gate_proj layer 3"`, `"xa box 64x128"`).
-    #[error("tensor map {what}: {reason}")]
-    TensorMap { what: String, reason: String },
-    /// The CUDA driver library, or one of the entry points of the cluster
-    /// launch and TMA ([`crate::tma::ClusterDriver`]), is unavailable.
-    #[error("CUDA driver {lib}: {reason}")]
-    DriverUnavailable { lib: String, reason: String },
-    /// A CUDA driver call made through [`crate::tma::ClusterDriver`] failed.
-    #[error("CUDA {call} failed: {} ({code}): {}", crate::host::cuda_error_name(*code).0, crate::host::cuda_error_name(*code).1)]
-    DriverCall { call: &'static str, code: u32 },
     /// The model crate refused the config (validation, inventory, plan).
     #[error(transparent)]
     Model(Box<qmk_model::ModelError>),

@@ -21,7 +21,6 @@ pub mod host;
 pub mod nvrtc;
 pub mod params;
 pub mod source;
-pub mod tma;
 
 pub use compile::{
     default_cache_dir, include_dirs, parse_ptxas_log, Arch, Compiler, Cubin, Resources,

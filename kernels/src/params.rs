@@ -73,11 +73,6 @@ pub const FLAG_PF_SK_SMALL_ONLY: u32 = 1 << 20;
 /// dims (the v3 attention), instead of one warp with Q in shared memory.
 pub const FLAG_PF_ATTN_SPLIT_D: u32 = 1 << 21;
 
-/// [`KernelParams::flags`], A/B for the wgmma prefill GEMM in a cluster
-/// launch: every CTA loads its whole weight tile itself (no TMA multicast
-/// to its cluster partner), as in a launch without clusters.
-pub const FLAG_PF_NO_MULTICAST: u32 = 1 << 22;
-
 /// Cached positions (`pos + 1`) from which the split attention is the
 /// default (`qmk::kAttnSplitMinContext`).
 pub const ATTN_SPLIT_MIN_CONTEXT: u32 = 512;
@@ -154,10 +149,6 @@ pub struct PrefillParams {
     /// Stream-K scratch of the wgmma GEMM: [G] partial tiles, then the
     /// launch nonce and [G] flags ([`crate::host::stream_k_bytes`]).
     pub sk: u64,
-    /// Tensor maps of the wgmma GEMM's TMA loads (sm_90a), 128 bytes each,
-    /// 64-byte aligned ([`crate::tma::TensorMapSet`]); 0: none, the prefill
-    /// then uses the mma.sync GEMM.
-    pub tmaps: u64,
     pub n_tokens: u32,
     pub start: u32,
     pub max_tokens: u32,
@@ -306,7 +297,7 @@ pub fn params_check_header() -> String {
         "static_assert(QMK_MAX_CHUNKS == {MAX_CHUNKS}, \"QMK_MAX_CHUNKS differs from Rust MAX_CHUNKS\");\n"
     ));
     out.push_str(&format!(
-        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagBarrierFenced == {FLAG_BARRIER_FENCED}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagWarpMajor == {FLAG_WARP_MAJOR}u && qmk::kFlagCtaMajor == {FLAG_CTA_MAJOR}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kFlagPfMmaSync == {FLAG_PF_MMA_SYNC}u && qmk::kFlagPfNoStreamK == {FLAG_PF_NO_STREAM_K}u && qmk::kFlagPfSkSmallOnly == {FLAG_PF_SK_SMALL_ONLY}u && qmk::kFlagPfAttnSplitD == {FLAG_PF_ATTN_SPLIT_D}u && qmk::kFlagPfNoMulticast == {FLAG_PF_NO_MULTICAST}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n"
+        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagBarrierFenced == {FLAG_BARRIER_FENCED}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagWarpMajor == {FLAG_WARP_MAJOR}u && qmk::kFlagCtaMajor == {FLAG_CTA_MAJOR}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kFlagPfMmaSync == {FLAG_PF_MMA_SYNC}u && qmk::kFlagPfNoStreamK == {FLAG_PF_NO_STREAM_K}u && qmk::kFlagPfSkSmallOnly == {FLAG_PF_SK_SMALL_ONLY}u && qmk::kFlagPfAttnSplitD == {FLAG_PF_ATTN_SPLIT_D}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n"
     ));
     out.push_str(&format!(
         "static_assert(qmk::kErrBarrierTimeout == {}u && qmk::kErrAborted == {}u && qmk::kErrBadToken == {}u && qmk::kErrBadPos == {}u, \"error codes differ\");\n",
@@ -363,7 +354,7 @@ pub fn params_check_header() -> String {
         "qmk::PrefillParams",
         "PrefillParams",
         PrefillParams,
-        [tokens, act, xa, qkv, qb, hb, sk, tmaps, n_tokens, start, max_tokens, reserved]
+        [tokens, act, xa, qkv, qb, hb, sk, n_tokens, start, max_tokens, reserved]
     );
     out.push_str(
         "static_assert(qmk::kPhasePfNorm == 8u && qmk::kPhasePfDown == 15u, \"prefill phases differ\");\n",
@@ -477,7 +468,7 @@ mod tests {
         assert!(size_of::<KernelParams>() <= 4096);
         assert_eq!(
             size_of::<PrefillParams>(),
-            size_of::<KernelParams>() + 8 * 8 + 4 * 4
+            size_of::<KernelParams>() + 7 * 8 + 4 * 4
         );
         assert!(size_of::<PrefillParams>() <= 4096);
         assert_eq!(offset_of!(PrefillParams, base), 0);

@@ -16,7 +16,6 @@ use qmk_kernels::host::{
     Progress, ABORT_GRACE, MAX_KV_LAYER_BYTES, UPLOAD_PIECE_BYTES,
 };
 use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG, FLAG_DEBUG_OOB};
-use qmk_kernels::tma::{ClusterDriver, PrefillTma, CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE};
 use qmk_kernels::{
     source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, KernelsError, PrefillParams,
     Resources, THREADS_PER_CTA,
@@ -24,7 +23,7 @@ use qmk_kernels::{
 use qmk_model::{Config, Weights};
 
 use crate::device::{device_info, DeviceInfo};
-use crate::error::{is_sticky, raw_driver, Error, Result};
+use crate::error::{is_sticky, Error, Result};
 use crate::mem::{DeviceBuffer, StatusBlock};
 
 /// How a [`CudarcBackend`] is set up (shared with the cust backend).
@@ -44,12 +43,6 @@ pub(crate) struct Prefill {
     pub launch: LaunchInfo,
     pub scratch: PrefillParams,
     pub chunk: u32,
-    /// CTAs per cluster of every launch ([`PrefillTma::choose_cluster`]).
-    pub cluster: u32,
-    /// `cuLaunchKernelEx`; `None`: `cuLaunchCooperativeKernel`.
-    pub driver: Option<ClusterDriver>,
-    /// Why the TMA path or the cluster launch is off.
-    pub note: Option<String>,
 }
 
 /// The megakernel engine on one GPU: weights, KV cache, scratch and the
@@ -391,29 +384,11 @@ impl CudarcBackend {
                     buffers.push(buf);
                 }
                 scratch.max_tokens = chunk;
-                // TMA maps (sm_90a wgmma GEMM) and the cluster size; the
-                // maps' buffer lives with the other buffers.
-                let mut tma = PrefillTma::prepare(info.arch, &build, &params, &scratch)?;
-                if let Some(maps) = &tma.maps {
-                    let bytes = maps.as_bytes();
-                    let buf = DeviceBuffer::alloc(bytes.len() as u64, "prefill tensor maps")?;
-                    // SAFETY: buf holds bytes.len() bytes.
-                    unsafe { result::memcpy_htod_sync(buf.ptr, bytes) }
-                        .map_err(drv("cuMemcpyHtoD (tensor maps)"))?;
-                    scratch.tmaps = buf.ptr;
-                    buffers.push(buf);
-                }
-                // SAFETY: func is the loaded prefill kernel, its shared
-                // memory attribute set to launch.smem_bytes above.
-                let cluster = unsafe { tma.choose_cluster(func.cast(), &launch) };
                 Some(Prefill {
                     func,
                     launch,
                     scratch,
                     chunk,
-                    cluster,
-                    driver: tma.driver,
-                    note: tma.note,
                 })
             }
             _ => None,
@@ -569,16 +544,6 @@ impl CudarcBackend {
     pub fn prefill_launch(&self) -> Option<(LaunchInfo, u32)> {
         self.prefill.as_ref().map(|p| (p.launch, p.chunk))
     }
-    /// CTAs per cluster of the prefill launches (1: no clusters, or the
-    /// prefill kernel is off).
-    pub fn prefill_cluster(&self) -> u32 {
-        self.prefill.as_ref().map_or(1, |p| p.cluster)
-    }
-    /// Why the prefill's TMA path or cluster launch is off (`None`: both
-    /// on, or the prefill kernel is off).
-    pub fn prefill_note(&self) -> Option<&str> {
-        self.prefill.as_ref().and_then(|p| p.note.as_deref())
-    }
 
     /// The whole KV cache as bf16 bits, K then V, each `[L, C, KV]` (tests
     /// compare it with the CPU reference's cache).
@@ -612,40 +577,9 @@ impl CudarcBackend {
             len,
             self.debug_flags,
         );
-        let too_large = || Error::Launch {
-            device: self.info.name.clone(),
-            reason: format!(
-                "prefill grid of {} CTAs (clusters of {}) is too large for a cooperative launch",
-                launch.grid, pf.cluster
-            ),
-        };
-        let pp = (&mut p as *mut PrefillParams).cast::<c_void>();
-        if let Some(d) = &pf.driver {
-            // SAFETY: the kernel takes one PrefillParams by value; every
-            // pointer in it is a live allocation of self.
-            let r = unsafe {
-                d.launch(
-                    func.cast(),
-                    launch.grid,
-                    launch.block,
-                    launch.smem_bytes,
-                    self.stream.cast(),
-                    pf.cluster,
-                    true,
-                    pp,
-                )
-            };
-            return match r {
-                Ok(()) => Ok(()),
-                Err(CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) => Err(too_large()),
-                Err(code) => {
-                    let e = raw_driver("cuLaunchKernelEx (prefill)", code);
-                    Err(self.mark(e))
-                }
-            };
-        }
-        let mut args = [pp];
-        // SAFETY: as above.
+        let mut args = [(&mut p as *mut PrefillParams).cast::<c_void>()];
+        // SAFETY: the kernel takes one PrefillParams by value; every pointer
+        // in it is a live allocation of self.
         let r = unsafe {
             sys::cuLaunchCooperativeKernel(
                 func,
@@ -660,11 +594,8 @@ impl CudarcBackend {
                 args.as_mut_ptr(),
             )
         };
-        match r.result() {
-            Ok(()) => Ok(()),
-            Err(e) if e.0 as u32 == CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE => Err(too_large()),
-            Err(e) => Err(self.fail("cuLaunchCooperativeKernel (prefill)", e)),
-        }
+        r.result()
+            .map_err(|e| self.fail("cuLaunchCooperativeKernel (prefill)", e))
     }
 
     /// The tensor-core prefill: the prompt's ids uploaded once (by
@@ -1043,97 +974,5 @@ mod tests {
         assert!(matches!(e, Error::Kernels(_)), "{e:?}");
         assert_eq!(buffer_what(Buffer::KCache), "K cache");
         assert_eq!(buffer_what(Buffer::PartialIdx), "partial_idx");
-    }
-
-    /// The hand-written driver twins of `qmk_kernels::tma` (loaded at run
-    /// time, shared with the cust backend) against cudarc's bindgen of
-    /// cuda.h 12.8.
-    #[test]
-    fn tma_twins_match_cudarc_sys() {
-        use qmk_kernels::tma::*;
-        use std::mem::{align_of, offset_of, size_of};
-        assert_eq!(
-            size_of::<CuLaunchConfig>(),
-            size_of::<sys::CUlaunchConfig>()
-        );
-        assert_eq!(
-            align_of::<CuLaunchConfig>(),
-            align_of::<sys::CUlaunchConfig>()
-        );
-        assert_eq!(
-            offset_of!(CuLaunchConfig, shared_mem_bytes),
-            offset_of!(sys::CUlaunchConfig, sharedMemBytes)
-        );
-        assert_eq!(
-            offset_of!(CuLaunchConfig, h_stream),
-            offset_of!(sys::CUlaunchConfig, hStream)
-        );
-        assert_eq!(
-            offset_of!(CuLaunchConfig, attrs),
-            offset_of!(sys::CUlaunchConfig, attrs)
-        );
-        assert_eq!(
-            offset_of!(CuLaunchConfig, num_attrs),
-            offset_of!(sys::CUlaunchConfig, numAttrs)
-        );
-        assert_eq!(
-            size_of::<CuLaunchAttribute>(),
-            size_of::<sys::CUlaunchAttribute>()
-        );
-        assert_eq!(
-            align_of::<CuLaunchAttribute>(),
-            align_of::<sys::CUlaunchAttribute>()
-        );
-        assert_eq!(
-            offset_of!(CuLaunchAttribute, value),
-            offset_of!(sys::CUlaunchAttribute, value)
-        );
-        assert_eq!(
-            size_of::<CuLaunchAttributeValue>(),
-            size_of::<sys::CUlaunchAttributeValue>()
-        );
-        // CUDA 12 aligns CUtensorMap to 64, CUDA 13 to 128: ours meets both.
-        assert_eq!(size_of::<TensorMap>(), size_of::<sys::CUtensorMap>());
-        assert_eq!(align_of::<TensorMap>() % align_of::<sys::CUtensorMap>(), 0);
-        use sys::CUlaunchAttributeID as Id;
-        assert_eq!(
-            CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
-            Id::CU_LAUNCH_ATTRIBUTE_COOPERATIVE as u32
-        );
-        assert_eq!(
-            CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-            Id::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION as u32
-        );
-        assert_eq!(
-            CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 as u32
-        );
-        assert_eq!(
-            CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE as u32
-        );
-        assert_eq!(
-            CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B as u32
-        );
-        assert_eq!(
-            CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B as u32
-        );
-        assert_eq!(
-            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE as u32
-        );
-        assert_eq!(
-            CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE,
-            sys::CUresult::CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE as u32
-        );
-        // The raw-code error keeps the driver's words.
-        let e = raw_driver("cuLaunchKernelEx (prefill)", 1);
-        assert_eq!(
-            e.to_string(),
-            "CUDA cuLaunchKernelEx (prefill) failed: CUDA_ERROR_INVALID_VALUE (1): invalid argument"
-        );
-        assert!(matches!(raw_driver("x", 700), Error::Unusable { .. }));
     }
 }

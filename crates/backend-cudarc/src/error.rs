@@ -1,7 +1,6 @@
 //! The crate's one error type.
 
 use cudarc::driver::DriverError;
-use qmk_kernels::host::cuda_error_name;
 
 /// Everything the cudarc backend can report.
 #[derive(Debug, thiserror::Error)]
@@ -24,10 +23,6 @@ pub enum Error {
         #[source]
         source: DriverError,
     },
-    /// A driver call made outside cudarc (`qmk_kernels::tma::ClusterDriver`:
-    /// the cluster launch) failed with a raw `CUresult` (not a sticky one).
-    #[error("CUDA {call} failed: {} ({code}): {}", cuda_error_name(*code).0, cuda_error_name(*code).1)]
-    RawDriver { call: &'static str, code: u32 },
     /// A sticky CUDA error: the context is corrupt; this engine is unusable.
     #[error(
         "the engine is unusable after a sticky CUDA error ({reason}); create a new process/engine"
@@ -121,19 +116,6 @@ impl From<qmk_layout::LayoutError> for Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
-
-/// Maps a raw `CUresult` of a call made outside cudarc: a sticky code makes
-/// [`Error::Unusable`].
-pub(crate) fn raw_driver(call: &'static str, code: u32) -> Error {
-    if qmk_kernels::host::is_sticky(code) {
-        let (name, what) = cuda_error_name(code);
-        Error::Unusable {
-            reason: format!("{call}: {name} ({code}): {what}"),
-        }
-    } else {
-        Error::RawDriver { call, code }
-    }
-}
 
 /// CUDA errors after which the context cannot be used again (the list is
 /// [`qmk_kernels::host::is_sticky`], shared with the cust backend).

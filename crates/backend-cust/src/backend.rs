@@ -25,7 +25,6 @@ use qmk_kernels::host::{
     Progress, ABORT_GRACE, UPLOAD_PIECE_BYTES,
 };
 use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG, FLAG_DEBUG_OOB};
-use qmk_kernels::tma::{ClusterDriver, PrefillTma, CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE};
 use qmk_kernels::{
     source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, PrefillParams, Resources,
 };
@@ -51,12 +50,6 @@ pub(crate) struct Prefill {
     pub launch: LaunchInfo,
     pub scratch: PrefillParams,
     pub chunk: u32,
-    /// CTAs per cluster of every launch ([`PrefillTma::choose_cluster`]).
-    pub cluster: u32,
-    /// `cuLaunchKernelEx`; `None`: `cuLaunchCooperativeKernel`.
-    pub driver: Option<ClusterDriver>,
-    /// Why the TMA path or the cluster launch is off.
-    pub note: Option<String>,
 }
 
 /// The megakernel engine on one GPU: weights, KV cache, scratch and the
@@ -361,27 +354,11 @@ impl CustBackend {
                     buffers.push(buf);
                 }
                 scratch.max_tokens = chunk;
-                // TMA maps (sm_90a wgmma GEMM) and the cluster size; the
-                // maps' buffer lives with the other buffers.
-                let mut tma = PrefillTma::prepare(info.arch, &build, &params, &scratch)?;
-                if let Some(maps) = &tma.maps {
-                    let bytes = maps.as_bytes();
-                    let buf = alloc(bytes.len() as u64, "prefill tensor maps", false)?;
-                    upload(addr(&buf), bytes, &mut ())?;
-                    scratch.tmaps = addr(&buf);
-                    buffers.push(buf);
-                }
-                // SAFETY: func is the loaded prefill kernel, its shared
-                // memory attribute set to launch.smem_bytes above.
-                let cluster = unsafe { tma.choose_cluster(func.cast(), &launch) };
                 Some(Prefill {
                     func,
                     launch,
                     scratch,
                     chunk,
-                    cluster,
-                    driver: tma.driver,
-                    note: tma.note,
                 })
             }
             _ => None,
@@ -498,16 +475,6 @@ impl CustBackend {
     pub fn prefill_launch(&self) -> Option<(LaunchInfo, u32)> {
         self.prefill.as_ref().map(|p| (p.launch, p.chunk))
     }
-    /// CTAs per cluster of the prefill launches (1: no clusters, or the
-    /// prefill kernel is off).
-    pub fn prefill_cluster(&self) -> u32 {
-        self.prefill.as_ref().map_or(1, |p| p.cluster)
-    }
-    /// Why the prefill's TMA path or cluster launch is off (`None`: both
-    /// on, or the prefill kernel is off).
-    pub fn prefill_note(&self) -> Option<&str> {
-        self.prefill.as_ref().and_then(|p| p.note.as_deref())
-    }
 
     /// The whole KV cache as bf16 bits, K then V, each `[L, C, KV]` (tests
     /// compare it with the CPU reference's cache).
@@ -563,7 +530,15 @@ impl CustBackend {
             );
             // SAFETY: qmk_prefill_chunk takes one PrefillParams by value;
             // every pointer in it is a live allocation of self.
-            unsafe { self.launch_prefill(func, launch.grid, launch.smem_bytes, &mut p) }?;
+            unsafe {
+                self.launch_cooperative(
+                    func,
+                    launch.grid,
+                    launch.smem_bytes,
+                    &mut p,
+                    "cuLaunchCooperativeKernel (prefill)",
+                )
+            }?;
         }
         self.record(&ev)?;
         let deadline = self
@@ -639,63 +614,6 @@ impl CustBackend {
                 reason: format!("grid of {grid} CTAs is too large for a cooperative launch"),
             }),
             e => Err(self.note(driver(what, CudaCode::from_raw(e)))),
-        }
-    }
-
-    /// Launches one prefill chunk: through `cuLaunchKernelEx` (cooperative,
-    /// in the chosen clusters) when the driver has it, else as any
-    /// cooperative kernel.
-    ///
-    /// # Safety
-    /// As [`CustBackend::launch_cooperative`].
-    unsafe fn launch_prefill(
-        &mut self,
-        f: sys::CUfunction,
-        grid: u32,
-        smem: u32,
-        params: &mut PrefillParams,
-    ) -> Result<()> {
-        let Some(pf) = self.prefill.as_ref() else {
-            return Err(Error::Option {
-                field: "prefill_chunk",
-                reason: "the prefill kernel is not enabled".into(),
-            });
-        };
-        let Some(d) = pf.driver.as_ref() else {
-            // SAFETY: per the caller.
-            return unsafe {
-                self.launch_cooperative(
-                    f,
-                    grid,
-                    smem,
-                    params,
-                    "cuLaunchCooperativeKernel (prefill)",
-                )
-            };
-        };
-        let cluster = pf.cluster;
-        // SAFETY: per the caller; the driver copies the block at launch.
-        let r = unsafe {
-            d.launch(
-                f.cast(),
-                grid,
-                qmk_kernels::THREADS_PER_CTA,
-                smem,
-                self.stream.as_inner().cast(),
-                cluster,
-                true,
-                (params as *mut PrefillParams).cast(),
-            )
-        };
-        match r {
-            Ok(()) => Ok(()),
-            Err(CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) => Err(Error::Launch {
-                device: self.info.name.clone(),
-                reason: format!(
-                    "prefill grid of {grid} CTAs (clusters of {cluster}) is too large for a cooperative launch"
-                ),
-            }),
-            Err(code) => Err(self.note(driver("cuLaunchKernelEx (prefill)", CudaCode(code)))),
         }
     }
 

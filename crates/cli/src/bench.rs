@@ -429,8 +429,6 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
             "kernel_flags": a.kernel_flags,
             "spill_stores": pf.as_ref().map(|x| x.spill_stores),
             "spill_loads": pf.as_ref().map(|x| x.spill_loads),
-            "cluster": backend.prefill_cluster(),
-            "prefill_note": backend.prefill_note(),
         });
         println!("{v}");
     } else {
@@ -450,14 +448,6 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
         if let Some(x) = pf {
             println!("  ptxas: {x}");
         }
-        println!(
-            "  clusters of {} CTAs{}",
-            backend.prefill_cluster(),
-            backend
-                .prefill_note()
-                .map(|n| format!(" ({n})"))
-                .unwrap_or_default()
-        );
         for (name, ms) in &profile {
             let what = match *name {
                 "rest" => "every phase skipped (norms, rotary, barriers)",
