@@ -20,9 +20,9 @@ namespace qmk {
 // Dynamic shared memory: the GEMM stages (the wgmma ones where that path is
 // compiled in: it also runs the mma.sync path under kFlagPfMmaSync, inside
 // the same bytes) or the final norm's activation vector, whichever is larger.
-constexpr u32 kPfGemmSmem = kPfSmemAvail;  // prefill_attention.cuh
+// kPfSmemAvail (prefill_attention.cuh) is the GEMM stages' size.
 constexpr u32 kPrefillSmemBytes =
-    kPfGemmSmem > (u32)(QMK_HIDDEN * 4) ? kPfGemmSmem : (u32)(QMK_HIDDEN * 4);
+    kPfSmemAvail > (u32)(QMK_HIDDEN * 4) ? kPfSmemAvail : (u32)(QMK_HIDDEN * 4);
 static_assert(kPrefillSmemBytes == ((QMK_WGMMA && kWgShapesOk) ? QMK_PREFILL_SMEM_BYTES_WGMMA
                                                                : QMK_PREFILL_SMEM_BYTES),
               "host and kernel disagree on the prefill kernel's shared memory");

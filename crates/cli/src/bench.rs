@@ -342,6 +342,12 @@ fn ab_schedule(variants: usize, rounds: usize) -> Vec<usize> {
         .collect()
 }
 
+/// Sets exactly `flags` as the backend's kernel flags (clears the others).
+fn set_only_flags(backend: &mut CudarcBackend, flags: u32) {
+    backend.set_kernel_flags(u32::MAX, false);
+    backend.set_kernel_flags(flags, true);
+}
+
 /// `bench --prefill N`: time to first token.
 fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
     let tokens = synthetic_prompt(n, backend.config().vocab_size);
@@ -353,6 +359,15 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
     // --profile: the same prefill with one phase skipped at a time (every
     // barrier kept; the results are garbage); full - skipped is the phase.
     // Then every phase skipped ("rest") and the GEMM A/B flags (absolute).
+    // One prefill median with `extra` flags on top of --kernel-flags
+    // (variants never mix: each sets its flags exactly).
+    let mut timed = |extra: u32, what: &str| -> Result<f64> {
+        set_only_flags(backend, a.kernel_flags | extra);
+        let s = backend
+            .bench_prefill(&tokens, a.prefill_reps)
+            .with_context(|| format!("bench --prefill {n} {what}"))?;
+        Ok(s.ms_median)
+    };
     let mut profile: Vec<(&str, f64)> = Vec::new();
     if a.profile {
         let skip = |bits: u32| bits << qmk_kernels::params::SKIP_SHIFT;
@@ -371,38 +386,28 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
             ("ab_mma_sync", qmk_kernels::params::FLAG_PF_MMA_SYNC, false),
         ]);
         for (name, flags, delta) in variants {
-            backend.set_kernel_flags(u32::MAX, false);
-            backend.set_kernel_flags(a.kernel_flags | flags, true);
-            let s = backend
-                .bench_prefill(&tokens, a.prefill_reps)
-                .with_context(|| format!("bench --prefill {n} --profile, {name}"))?;
-            profile.push((
-                name,
-                if delta {
-                    r.ms_median - s.ms_median
-                } else {
-                    s.ms_median
-                },
-            ));
+            let ms = timed(flags, &format!("--profile, {name}"))?;
+            profile.push((name, if delta { r.ms_median - ms } else { ms }));
         }
-        backend.set_kernel_flags(u32::MAX, false);
-        backend.set_kernel_flags(a.kernel_flags, true);
     }
     // --ab: every variant once per round (a prefill median each), in
     // rotated order (ab_schedule).
     let mut ab: Vec<(u32, Vec<f64>)> = a.ab.iter().map(|&f| (f, Vec::new())).collect();
     for v in ab_schedule(ab.len(), a.ab_rounds) {
-        backend.set_kernel_flags(u32::MAX, false);
-        backend.set_kernel_flags(a.kernel_flags | ab[v].0, true);
-        let s = backend
-            .bench_prefill(&tokens, a.prefill_reps)
-            .with_context(|| format!("bench --prefill {n} --ab {}", ab[v].0))?;
-        ab[v].1.push(s.ms_median);
+        let ms = timed(ab[v].0, &format!("--ab {}", ab[v].0))?;
+        ab[v].1.push(ms);
     }
-    if !ab.is_empty() {
-        backend.set_kernel_flags(u32::MAX, false);
-        backend.set_kernel_flags(a.kernel_flags, true);
+    if a.profile || !ab.is_empty() {
+        set_only_flags(backend, a.kernel_flags);
     }
+    // Each --ab variant's median over its rounds.
+    let ab: Vec<(u32, Vec<f64>, f64)> = ab
+        .into_iter()
+        .map(|(f, v)| {
+            let m = qmk_kernels::host::median(&mut v.clone());
+            (f, v, m)
+        })
+        .collect();
     let pf = backend
         .resources()
         .into_iter()
@@ -413,7 +418,7 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
             "backend": a.backend,
             "device": r.device,
             "profile_ms": profile.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
-            "ab_ms": ab.iter().map(|(f, v)| serde_json::json!({"flags": f, "round_medians_ms": v, "median_ms": qmk_kernels::host::median(&mut v.clone())})).collect::<Vec<_>>(),
+            "ab_ms": ab.iter().map(|(f, v, m)| serde_json::json!({"flags": f, "round_medians_ms": v, "median_ms": m})).collect::<Vec<_>>(),
             "prefill_tokens": r.tokens,
             "chunk": r.chunk,
             "launches": r.launches,
@@ -457,11 +462,10 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
             };
             println!("  profile {name:<10} {ms:>10.3} ms  ({what})");
         }
-        for (f, v) in &ab {
+        for (f, v, m) in &ab {
             let rounds: Vec<String> = v.iter().map(|x| format!("{x:.2}")).collect();
             println!(
-                "  ab flags {f:<8} {:>10.3} ms  (median of {} interleaved rounds: {})",
-                qmk_kernels::host::median(&mut v.clone()),
+                "  ab flags {f:<8} {m:>10.3} ms  (median of {} interleaved rounds: {})",
                 v.len(),
                 rounds.join(" ")
             );
