@@ -105,6 +105,11 @@ constexpr u32 kFlagPfSkSmallOnly = 1u << 20;
 // A/B (prefill attention, head_dim 128): two half-D warps per head and
 // query block (the v3 attention) instead of one with Q in shared memory.
 constexpr u32 kFlagPfAttnSplitD = 1u << 21;
+// A/B (prefill kernel, wgmma GEMM): the per-element epilogues (gate/up: one
+// 2-byte store per value; o_proj / down: load, add, store per element)
+// instead of gate/up staged through shared memory into 16-byte stores and
+// the residual added by red.global.add.
+constexpr u32 kFlagPfScalarEpi = 1u << 22;
 // Profiling: bits kSkipShift.. skip phases (qkv, attention, o_proj, gate_up,
 // down, lm_head) while keeping every barrier; time(full) - time(skip X)
 // is what X costs. Results are garbage in these runs.

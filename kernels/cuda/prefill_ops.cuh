@@ -78,6 +78,33 @@ struct QkvTiling {
 };
 
 #if QMK_WGMMA
+// Epilogue functors of the wgmma phases (wg_epilogue, NB = 1): col(tile, n)
+// once per column, then one call per element.
+// q / k / v: qkv[t, col0 + n] = v + bias[n] (f32; rotary next phase).
+struct WgQkvOut {
+    float* qkv;  // [T, QMK_PF_QKV_COLS]
+    QkvLayer L;
+    __device__ __forceinline__ float col(const WgTile& d, u32 n) const { return L.bias(d.which, n); }
+    __device__ __forceinline__ void operator()(const WgTile& d, u32 t, u32 n, float b, float v) const {
+        qkv[(size_t)t * QMK_PF_QKV_COLS + qkv_col0(d.which) + n] = v + b;
+    }
+};
+// o_proj / down: act[t, n] += v by red.global.add (one add per element, so
+// the same bits as load-add-store, without a load round trip per element;
+// kFlagPfScalarEpi: load-add-store).
+struct WgResidualOut {
+    float* act;  // [T, QMK_HIDDEN] f32 residual stream
+    bool scalar;
+    __device__ __forceinline__ float col(const WgTile&, u32) const { return 0.0f; }
+    __device__ __forceinline__ void operator()(const WgTile&, u32 t, u32 n, float, float v) const {
+        float* dst = act + (size_t)t * QMK_HIDDEN + n;
+        if (scalar)
+            *dst = *dst + v;
+        else
+            atomicAdd(dst, v);
+    }
+};
+
 // The wgmma versions of the three tile loops (prefill_wgmma.cuh, wg_phase:
 // full waves, then stream-K): NT-token x 256-weight-row tiles (128 columns
 // of gate and of up), the same column-major tile order, epilogues per
@@ -97,9 +124,7 @@ __device__ __forceinline__ void wg_qkv_tiles(const PrefillParams& pp, u32 layer,
         d.n_end = q.n_end;
         w[0] = L.w(q.which);
     };
-    auto epi = [&](const WgTile& d, u32 t, u32 n, const float (&v)[1]) {
-        qkv[(size_t)t * QMK_PF_QKV_COLS + qkv_col0(d.which) + n] = v[0] + L.bias(d.which, n);
-    };
+    const WgQkvOut epi{qkv, L};
     wg_phase<NT, 1, (int)QMK_HIDDEN>(pp, sk, kPhasePfQkv, layer,
                                      reinterpret_cast<const char*>(pp.xa), QMK_PF_XA_COLS * 2u,
                                      mt * Tiling::TILES, smem, desc, epi);
@@ -121,10 +146,7 @@ __device__ __forceinline__ void wg_residual_tiles(const PrefillParams& pp,
         d.which = 0;
         w[0] = wt;
     };
-    auto epi = [&](const WgTile&, u32 t, u32 n, const float (&v)[1]) {
-        float* dst = act + (size_t)t * QMK_HIDDEN + n;
-        *dst = *dst + v[0];
-    };
+    const WgResidualOut epi{act, (pp.base.flags & kFlagPfScalarEpi) != 0};
     wg_phase<NT, 1, K>(pp, sk, phase, layer, reinterpret_cast<const char*>(a), a_cols * 2u,
                        mt * WT, smem, desc, epi);
 }
@@ -134,7 +156,7 @@ __device__ __forceinline__ void wg_gate_up_tiles(const PrefillParams& pp, u32 la
                                                  WgStreamK& sk) {
     const Params& p = pp.base;
     const WRows wg = wrows<gate_proj_t>(p.gate_proj, layer), wu = wrows<up_proj_t>(p.up_proj, layer);
-    u16* hb = reinterpret_cast<u16*>(pp.hb);
+    const WgGateUpOut epi{reinterpret_cast<u16*>(pp.hb)};
     constexpr u32 BNT = kWgRows / 2;
     constexpr u32 WT = (QMK_INTER + BNT - 1) / BNT;
     const u32 mt = (pp.n_tokens + NT - 1) / NT;
@@ -145,9 +167,6 @@ __device__ __forceinline__ void wg_gate_up_tiles(const PrefillParams& pp, u32 la
         d.which = 0;
         w[0] = wg;
         w[1] = wu;
-    };
-    auto epi = [&](const WgTile&, u32 t, u32 n, const float (&v)[2]) {
-        hb[(size_t)t * QMK_INTER + n] = f32_to_bf16_rne(silu(v[0]) * v[1]);
     };
     wg_phase<NT, 2, (int)QMK_HIDDEN>(pp, sk, kPhasePfGateUp, layer,
                                      reinterpret_cast<const char*>(pp.xa), QMK_PF_XA_COLS * 2u,

@@ -251,30 +251,39 @@ __device__ __forceinline__ void wg_mainloop(const char* a, u32 lda_bytes, u32 t_
     cp_async_wait<0>();
 }
 
-// Hands a tile's accumulators to epi(tile, t, n, v[NB]): one output element
-// (one value per tensor), every valid (t, n) exactly once.
+// Hands a tile's accumulators to the epilogue functor, every valid (t, n)
+// exactly once. NB = 1: epi.col(tile, n) once per column (the q / k / v
+// bias: one load per column, not one per element after each store), then
+// epi(tile, t, n, col, v) per element. NB = 2 (the per-element gate/up form,
+// kFlagPfScalarEpi): epi(tile, t, n, v[2]).
 template <int NT, int NB, class Epi>
 __device__ __forceinline__ void wg_epilogue(const float (&acc)[NT / 2], u32 t_end, const WgTile& d,
                                             Epi& epi) {
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const u32 q = warp & 3u, g = lane >> 2, cc = lane & 3u;
     const u32 row = wg * 64u + q * 16u + g;  // A row of acc[4j], acc[4j + 1]
+    if constexpr (NB == 1) {
 #pragma unroll
-    for (u32 j = 0; j < (u32)NT / 8; ++j) {
+        for (u32 h = 0; h < 2; ++h) {
+            const u32 n = d.n0 + row + 8u * h;
+            if (n >= d.n_end) continue;
+            const float cv = epi.col(d, n);
 #pragma unroll
-        for (u32 e = 0; e < 2; ++e) {
-            const u32 t = d.m0 + j * 8u + 2u * cc + e;
-            if (t >= t_end) continue;
-            if constexpr (NB == 1) {
+            for (u32 j = 0; j < (u32)NT / 8; ++j) {
 #pragma unroll
-                for (u32 h = 0; h < 2; ++h) {
-                    const u32 n = d.n0 + row + 8u * h;
-                    if (n < d.n_end) {
-                        const float v[1] = {acc[4 * j + 2 * h + e]};
-                        epi(d, t, n, v);
-                    }
+                for (u32 e = 0; e < 2; ++e) {
+                    const u32 t = d.m0 + j * 8u + 2u * cc + e;
+                    if (t < t_end) epi(d, t, n, cv, acc[4 * j + 2 * h + e]);
                 }
-            } else {
+            }
+        }
+    } else {
+#pragma unroll
+        for (u32 j = 0; j < (u32)NT / 8; ++j) {
+#pragma unroll
+            for (u32 e = 0; e < 2; ++e) {
+                const u32 t = d.m0 + j * 8u + 2u * cc + e;
+                if (t >= t_end) continue;
                 const u32 n = wg_col<NB>(d.n0, row);
                 if (n < d.n_end) {
                     const float v[2] = {acc[4 * j + e], acc[4 * j + 2 + e]};
@@ -283,6 +292,63 @@ __device__ __forceinline__ void wg_epilogue(const float (&acc)[NT / 2], u32 t_en
             }
         }
     }
+}
+
+// SiLU for the staged gate/up epilogue: fast exp and division (a few ulp;
+// the IEEE division and expf were ~25 instructions per value, 32 values per
+// thread per tile, while the tensor cores wait).
+__device__ __forceinline__ float silu_fast(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+
+// gate/up's output (NB = 2): hb[t, n] = silu(gate) * up, bf16. The epilogue
+// stages the tile through the stage memory, free once every warpgroup's
+// wgmma reads have retired: NT tokens x 128 columns, 256 B per token,
+// 16-byte chunk c of token t at chunk c ^ (t % 16) (conflict-free: a warp's
+// writes cover 4 tokens of one chunk), then each token's 256 bytes leave as
+// 16 whole 16-byte stores. Measured in scripts/gpu/gemm_lab: one 2-byte store
+// per value (4 tokens per warp instruction) kept the tensor cores idle for
+// most of the difference between the mainloop and the phase.
+struct WgGateUpOut {
+    u16* hb;  // [T, QMK_INTER] bf16
+    // The per-element form (kFlagPfScalarEpi).
+    __device__ __forceinline__ void operator()(const WgTile&, u32 t, u32 n, const float (&v)[2]) const {
+        hb[(size_t)t * QMK_INTER + n] = f32_to_bf16_rne(silu(v[0]) * v[1]);
+    }
+};
+static_assert(QMK_INTER % 8 == 0, "gate/up rows leave in 16-byte chunks");
+
+template <int NT>
+__device__ __forceinline__ void wg_epilogue_gate_up(const float (&acc)[NT / 2], u32 t_end,
+                                                    const WgTile& d, u32 smem, u16* hb) {
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u32 g = lane >> 2, cc = lane & 3u;
+    // Warp w (warpgroup w / 4, quarter w % 4) holds columns n0 + 8w + g
+    // (wg_col<2>): chunk w of every token row.
+    __syncthreads();  // every warpgroup's reads of the stages have retired
+#pragma unroll
+    for (u32 j = 0; j < (u32)NT / 8; ++j) {
+#pragma unroll
+        for (u32 e = 0; e < 2; ++e) {
+            const u32 tok = j * 8u + 2u * cc + e;
+            const u32 addr = smem + tok * 256u + ((warp ^ (tok & 15u)) << 4) + g * 2u;
+            const u16 v = f32_to_bf16_rne(silu_fast(acc[4 * j + e]) * acc[4 * j + 2 + e]);
+            asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(v) : "memory");
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (u32 k = 0; k < (u32)NT * 16u / QMK_THREADS; ++k) {
+        const u32 idx = tid + k * QMK_THREADS, tok = idx >> 4, ch = idx & 15u;
+        const u32 t = d.m0 + tok, n = d.n0 + ch * 8u;
+        u32 x, y, z, w;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(x), "=r"(y), "=r"(z), "=r"(w)
+                     : "r"(smem + tok * 256u + ((ch ^ (tok & 15u)) << 4))
+                     : "memory");
+        if (t < t_end && n < d.n_end)
+            *reinterpret_cast<uint4*>(hb + (size_t)t * QMK_INTER + n) = make_uint4(x, y, z, w);
+    }
+    // The next tile's mainloop starts with a __syncthreads before its loads
+    // overwrite the stages; a phase's end is a grid barrier.
 }
 
 // Thread 0 of a CTA: waits until `flag` holds `want` (bounded exactly like
@@ -419,7 +485,14 @@ __device__ __forceinline__ void wg_phase(const PrefillParams& pp, WgStreamK& sk,
                 for (int i = 0; i < R; ++i) acc[i] += __ldcg(theirs + (u32)i * QMK_THREADS + tid);
             }
         }
-        wg_epilogue<NT, NB>(acc, t_end, d, epi);
+        if constexpr (NB == 2) {
+            if (pp.base.flags & kFlagPfScalarEpi)
+                wg_epilogue<NT, NB>(acc, t_end, d, epi);
+            else
+                wg_epilogue_gate_up<NT>(acc, t_end, d, smem, epi.hb);
+        } else {
+            wg_epilogue<NT, NB>(acc, t_end, d, epi);
+        }
     }
 }
 

@@ -73,6 +73,13 @@ pub const FLAG_PF_SK_SMALL_ONLY: u32 = 1 << 20;
 /// dims (the v3 attention), instead of one warp with Q in shared memory.
 pub const FLAG_PF_ATTN_SPLIT_D: u32 = 1 << 21;
 
+/// [`KernelParams::flags`], A/B for the wgmma prefill GEMM: the
+/// per-element epilogues (gate/up one 2-byte store per value, o_proj and
+/// down load-add-store per element) instead of gate/up staged through
+/// shared memory into 16-byte stores and the residual added with
+/// `red.global.add`.
+pub const FLAG_PF_SCALAR_EPI: u32 = 1 << 22;
+
 /// Cached positions (`pos + 1`) from which the split attention is the
 /// default (`qmk::kAttnSplitMinContext`).
 pub const ATTN_SPLIT_MIN_CONTEXT: u32 = 512;
@@ -297,7 +304,7 @@ pub fn params_check_header() -> String {
         "static_assert(QMK_MAX_CHUNKS == {MAX_CHUNKS}, \"QMK_MAX_CHUNKS differs from Rust MAX_CHUNKS\");\n"
     ));
     out.push_str(&format!(
-        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagBarrierFenced == {FLAG_BARRIER_FENCED}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagWarpMajor == {FLAG_WARP_MAJOR}u && qmk::kFlagCtaMajor == {FLAG_CTA_MAJOR}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kFlagPfMmaSync == {FLAG_PF_MMA_SYNC}u && qmk::kFlagPfNoStreamK == {FLAG_PF_NO_STREAM_K}u && qmk::kFlagPfSkSmallOnly == {FLAG_PF_SK_SMALL_ONLY}u && qmk::kFlagPfAttnSplitD == {FLAG_PF_ATTN_SPLIT_D}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n"
+        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagBarrierFenced == {FLAG_BARRIER_FENCED}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagWarpMajor == {FLAG_WARP_MAJOR}u && qmk::kFlagCtaMajor == {FLAG_CTA_MAJOR}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kFlagPfMmaSync == {FLAG_PF_MMA_SYNC}u && qmk::kFlagPfNoStreamK == {FLAG_PF_NO_STREAM_K}u && qmk::kFlagPfSkSmallOnly == {FLAG_PF_SK_SMALL_ONLY}u && qmk::kFlagPfAttnSplitD == {FLAG_PF_ATTN_SPLIT_D}u && qmk::kFlagPfScalarEpi == {FLAG_PF_SCALAR_EPI}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n"
     ));
     out.push_str(&format!(
         "static_assert(qmk::kErrBarrierTimeout == {}u && qmk::kErrAborted == {}u && qmk::kErrBadToken == {}u && qmk::kErrBadPos == {}u, \"error codes differ\");\n",
