@@ -110,6 +110,10 @@ constexpr u32 kFlagPfAttnSplitD = 1u << 21;
 // instead of gate/up staged through shared memory into 16-byte stores and
 // the residual added by red.global.add.
 constexpr u32 kFlagPfScalarEpi = 1u << 22;
+// A/B (prefill kernel, wgmma GEMM): the rotary embedding and K/V cache write
+// as their own phase after the q/k/v GEMM (q/k/v through an f32 scratch)
+// instead of in the q/k/v tile epilogue.
+constexpr u32 kFlagPfRopePhase = 1u << 23;
 // Profiling: bits kSkipShift.. skip phases (qkv, attention, o_proj, gate_up,
 // down, lm_head) while keeping every barrier; time(full) - time(skip X)
 // is what X costs. Results are garbage in these runs.

@@ -81,7 +81,9 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
             *reinterpret_cast<volatile u64*>(wg_sk_nonce(pp)) = (u64)(sk.nonce + 1u);
         if (!(skip & 1u)) prefill_qkv(pp, layer, smem, sk);
         if (!bar.sync(p, kPhasePfQkv, layer)) return;
-        prefill_rope_kv(pp, layer);
+        // The wgmma path does this in the q/k/v epilogue; the barrier stays
+        // (the host counts 8 per layer).
+        if (!prefill_rope_fused(pp)) prefill_rope_kv(pp, layer);
         if (!bar.sync(p, kPhasePfRope, layer)) return;
         if (!(skip & 2u)) prefill_attention(pp, layer, smem);
         if (!bar.sync(p, kPhasePfAttention, layer)) return;

@@ -77,24 +77,121 @@ struct QkvTiling {
                   "q / k / v tiling");
 };
 
+// Whether the q/k/v GEMM's epilogue applies the rotary embedding and writes
+// the K / V cache (the wgmma path by default), so the rope phase is skipped.
+__device__ __forceinline__ bool prefill_rope_fused(const PrefillParams& pp) {
+#if QMK_WGMMA
+    if constexpr (kWgShapesOk)
+        return (pp.base.flags & (kFlagPfMmaSync | kFlagPfRopePhase)) == 0;
+#endif
+    return false;
+}
+
 #if QMK_WGMMA
 // Epilogue functors of the wgmma phases (wg_epilogue, NB = 1): col(tile, n)
 // once per column, then one call per element.
 // q / k / v: qkv[t, col0 + n] = v + bias[n] (f32; rotary next phase).
+// With whole_tile (default), the tile's q / k / v + bias go through shared
+// memory and leave rotated (q, k) as bf16 into qb and the K / V cache:
+// the rope phase's work, without the f32 scratch round trip
+// (kFlagPfRopePhase: the per-element f32 form and the rope phase).
 struct WgQkvOut {
     float* qkv;  // [T, QMK_PF_QKV_COLS]
     QkvLayer L;
+    const PrefillParams* pp;
+    u32 layer;
+    bool whole_tile;
     __device__ __forceinline__ float col(const WgTile& d, u32 n) const { return L.bias(d.which, n); }
     __device__ __forceinline__ void operator()(const WgTile& d, u32 t, u32 n, float b, float v) const {
         qkv[(size_t)t * QMK_PF_QKV_COLS + qkv_col0(d.which) + n] = v + b;
     }
+    template <int NT>
+    __device__ __forceinline__ void tile(const float (&acc)[NT / 2], u32 t_end, const WgTile& d,
+                                         u32 smem) const;
 };
+
+// Shared-memory staging of a q / k / v tile: f32 [NT tokens][256 rows], 1 KB
+// per token, 32-byte granule r / 8 at granule (r / 8) ^ ((tok / 2) % 4): a
+// warp's writes (8 rows x 4 tokens 2cc + e) hit distinct banks.
+__device__ __forceinline__ u32 wg_qkv_stage_addr(u32 smem, u32 tok, u32 r) {
+    return smem + tok * 1024u + (((r >> 3) ^ ((tok >> 1) & 3u)) << 5) + (r & 7u) * 4u;
+}
+
+template <int NT>
+__device__ __forceinline__ void WgQkvOut::tile(const float (&acc)[NT / 2], u32 t_end, const WgTile& d,
+                                               u32 smem) const {
+    static_assert(kWgRows == 256 && kWgRows % QMK_HEAD_DIM == 0, "heads lie whole in a tile");
+    constexpr u32 D = QMK_HEAD_DIM, HALF = D / 2, QH = HALF / 2;  // QH: pairs of pairs per head
+    const Params& p = pp->base;
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+    const u32 q = warp & 3u, g = lane >> 2, cc = lane & 3u;
+    const u32 row = wg * 64u + q * 16u + g;  // A row of acc[4j], acc[4j + 1]
+    __syncthreads();  // every warpgroup's reads of the stages have retired
+#pragma unroll
+    for (u32 h = 0; h < 2; ++h) {
+        const u32 r = row + 8u * h, n = d.n0 + r;
+        const float b = n < d.n_end ? L.bias(d.which, n) : 0.0f;
+#pragma unroll
+        for (u32 j = 0; j < (u32)NT / 8; ++j) {
+#pragma unroll
+            for (u32 e = 0; e < 2; ++e) {
+                const u32 tok = j * 8u + 2u * cc + e;
+                asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(wg_qkv_stage_addr(smem, tok, r)),
+                             "f"(acc[4 * j + 2 * h + e] + b)
+                             : "memory");
+            }
+        }
+    }
+    __syncthreads();
+    // Thread: rotary pairs (i, i + HALF) and (i + 1, i + 1 + HALF) of head
+    // hd of the tile, for tokens grp, grp + 8, ... (64 pairs of pairs = the
+    // tile's 256 rows). Same arithmetic and rounding as prefill_rope_kv.
+    const u32 p2 = tid & 63u, grp = tid >> 6;
+    const u32 hd = p2 / QH, i = 2u * (p2 % QH);
+    const u32 r0 = hd * D + i, n0 = d.n0 + r0;
+    if (n0 >= d.n_end) return;
+    char* qb = reinterpret_cast<char*>(pp->qb);
+    char* cache = d.which == 1 ? kv_layer(p.k_cache, layer, p.kv_capacity)
+                               : kv_layer(p.v_cache, layer, p.kv_capacity);
+    for (u32 tok = grp; tok < (u32)NT; tok += QMK_THREADS / 64u) {
+        const u32 t = d.m0 + tok;
+        if (t >= t_end) break;
+        float2 lo, hi;
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                     : "=f"(lo.x), "=f"(lo.y)
+                     : "r"(wg_qkv_stage_addr(smem, tok, r0))
+                     : "memory");
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                     : "=f"(hi.x), "=f"(hi.y)
+                     : "r"(wg_qkv_stage_addr(smem, tok, r0 + HALF))
+                     : "memory");
+        const u32 pos = pp->start + t;
+        if (d.which < 2) {
+            rotary(p, pos, i, lo.x, hi.x);
+            rotary(p, pos, i + 1u, lo.y, hi.y);
+        }
+        const u32 plo = pack_bf16x2(lo.x, lo.y), phi = pack_bf16x2(hi.x, hi.y);
+        if (d.which == 0) {
+            char* o = qb + ((size_t)t * QMK_Q_DIM + n0) * 2u;
+            *reinterpret_cast<u32*>(o) = plo;
+            *reinterpret_cast<u32*>(o + HALF * 2u) = phi;
+        } else {
+            *reinterpret_cast<u32*>(cache + kv_off(pos, n0)) = plo;
+            *reinterpret_cast<u32*>(cache + kv_off(pos, n0 + HALF)) = phi;
+        }
+    }
+    // The next tile's mainloop starts with a __syncthreads before its loads
+    // overwrite the stages.
+}
 // o_proj / down: act[t, n] += v by red.global.add (one add per element, so
 // the same bits as load-add-store, without a load round trip per element;
 // kFlagPfScalarEpi: load-add-store).
 struct WgResidualOut {
     float* act;  // [T, QMK_HIDDEN] f32 residual stream
     bool scalar;
+    bool whole_tile;  // always false: per element
+    template <int NT>
+    __device__ __forceinline__ void tile(const float (&)[NT / 2], u32, const WgTile&, u32) const {}
     __device__ __forceinline__ float col(const WgTile&, u32) const { return 0.0f; }
     __device__ __forceinline__ void operator()(const WgTile&, u32 t, u32 n, float, float v) const {
         float* dst = act + (size_t)t * QMK_HIDDEN + n;
@@ -124,7 +221,7 @@ __device__ __forceinline__ void wg_qkv_tiles(const PrefillParams& pp, u32 layer,
         d.n_end = q.n_end;
         w[0] = L.w(q.which);
     };
-    const WgQkvOut epi{qkv, L};
+    const WgQkvOut epi{qkv, L, &pp, layer, prefill_rope_fused(pp)};
     wg_phase<NT, 1, (int)QMK_HIDDEN>(pp, sk, kPhasePfQkv, layer,
                                      reinterpret_cast<const char*>(pp.xa), QMK_PF_XA_COLS * 2u,
                                      mt * Tiling::TILES, smem, desc, epi);
@@ -146,7 +243,7 @@ __device__ __forceinline__ void wg_residual_tiles(const PrefillParams& pp,
         d.which = 0;
         w[0] = wt;
     };
-    const WgResidualOut epi{act, (pp.base.flags & kFlagPfScalarEpi) != 0};
+    const WgResidualOut epi{act, (pp.base.flags & kFlagPfScalarEpi) != 0, false};
     wg_phase<NT, 1, K>(pp, sk, phase, layer, reinterpret_cast<const char*>(a), a_cols * 2u,
                        mt * WT, smem, desc, epi);
 }
@@ -156,7 +253,7 @@ __device__ __forceinline__ void wg_gate_up_tiles(const PrefillParams& pp, u32 la
                                                  WgStreamK& sk) {
     const Params& p = pp.base;
     const WRows wg = wrows<gate_proj_t>(p.gate_proj, layer), wu = wrows<up_proj_t>(p.up_proj, layer);
-    const WgGateUpOut epi{reinterpret_cast<u16*>(pp.hb)};
+    const WgGateUpOut epi{reinterpret_cast<u16*>(pp.hb), (pp.base.flags & kFlagPfScalarEpi) == 0};
     constexpr u32 BNT = kWgRows / 2;
     constexpr u32 WT = (QMK_INTER + BNT - 1) / BNT;
     const u32 mt = (pp.n_tokens + NT - 1) / NT;

@@ -307,14 +307,6 @@ __device__ __forceinline__ float silu_fast(float g) { return __fdividef(g, 1.0f 
 // 16 whole 16-byte stores. Measured in scripts/gpu/gemm_lab: one 2-byte store
 // per value (4 tokens per warp instruction) kept the tensor cores idle for
 // most of the difference between the mainloop and the phase.
-struct WgGateUpOut {
-    u16* hb;  // [T, QMK_INTER] bf16
-    // The per-element form (kFlagPfScalarEpi).
-    __device__ __forceinline__ void operator()(const WgTile&, u32 t, u32 n, const float (&v)[2]) const {
-        hb[(size_t)t * QMK_INTER + n] = f32_to_bf16_rne(silu(v[0]) * v[1]);
-    }
-};
-static_assert(QMK_INTER % 8 == 0, "gate/up rows leave in 16-byte chunks");
 
 template <int NT>
 __device__ __forceinline__ void wg_epilogue_gate_up(const float (&acc)[NT / 2], u32 t_end,
@@ -350,6 +342,20 @@ __device__ __forceinline__ void wg_epilogue_gate_up(const float (&acc)[NT / 2], 
     // The next tile's mainloop starts with a __syncthreads before its loads
     // overwrite the stages; a phase's end is a grid barrier.
 }
+
+struct WgGateUpOut {
+    u16* hb;          // [T, QMK_INTER] bf16
+    bool whole_tile;  // staged (default) or per element (kFlagPfScalarEpi)
+    template <int NT>
+    __device__ __forceinline__ void tile(const float (&acc)[NT / 2], u32 t_end, const WgTile& d,
+                                         u32 smem) const {
+        wg_epilogue_gate_up<NT>(acc, t_end, d, smem, hb);
+    }
+    __device__ __forceinline__ void operator()(const WgTile&, u32 t, u32 n, const float (&v)[2]) const {
+        hb[(size_t)t * QMK_INTER + n] = f32_to_bf16_rne(silu(v[0]) * v[1]);
+    }
+};
+static_assert(QMK_INTER % 8 == 0, "gate/up rows leave in 16-byte chunks");
 
 // Thread 0 of a CTA: waits until `flag` holds `want` (bounded exactly like
 // the grid barrier: timeout, host abort, or another CTA's error).
@@ -485,14 +491,12 @@ __device__ __forceinline__ void wg_phase(const PrefillParams& pp, WgStreamK& sk,
                 for (int i = 0; i < R; ++i) acc[i] += __ldcg(theirs + (u32)i * QMK_THREADS + tid);
             }
         }
-        if constexpr (NB == 2) {
-            if (pp.base.flags & kFlagPfScalarEpi)
-                wg_epilogue<NT, NB>(acc, t_end, d, epi);
-            else
-                wg_epilogue_gate_up<NT>(acc, t_end, d, smem, epi.hb);
-        } else {
+        // Whole-tile epilogues (gate/up staged stores, q/k/v with the
+        // rotary fused) where the functor has one and it is on.
+        if (epi.whole_tile)
+            epi.template tile<NT>(acc, t_end, d, smem);
+        else
             wg_epilogue<NT, NB>(acc, t_end, d, epi);
-        }
     }
 }
 
