@@ -18,7 +18,9 @@
 //!      reference's id is fed on and reported).
 //!
 //! `d_stream_k_*`: the wgmma GEMM's stream-K schedule against the same
-//! kernel data-parallel (GPU vs GPU: layer 0 to 1e-3, the rest to TOL). Plus a threshold table per
+//! kernel data-parallel (GPU vs GPU: layer 0 to 1e-3, the rest to TOL).
+//! `e_epilogues_*`: the GEMM's whole-tile epilogues against their
+//! per-element forms (fused rotary: the same bits). Plus a threshold table per
 //! preset (`*_threshold`): host wall time of step-by-step vs batched prefill
 //! at 1, 4, 16, 64 tokens, to set `DEFAULT_PREFILL_MIN_TOKENS` from; it
 //! fails if the two paths' logits differ by more than the tolerance.
@@ -460,6 +462,83 @@ fn stream_k_chunk_matches_data_parallel<B: Pf>(preset: &str, n: usize, chunk: u3
     );
 }
 
+/// The wgmma GEMM's whole-tile epilogues (kernels/cuda/prefill_ops.cuh,
+/// `WgQkvOut::tile`; prefill_wgmma.cuh, `wg_epilogue_gate_up`) against their
+/// per-element forms, GPU against GPU:
+///  - `FLAG_PF_ROPE_PHASE` (rotary and K/V write as their own phase, through
+///    the f32 q/k/v scratch): the same arithmetic in the same order, so the
+///    KV cache and the logits must be bit-identical;
+///  - `FLAG_PF_SCALAR_EPI` (gate/up with the IEEE SiLU and one store per
+///    value, residuals by load-add-store): layer 0's K/V precede the first
+///    gate/up, so they are identical; the fast SiLU's last-bit differences
+///    then grow to the bf16 noise level like any rounding flip (see
+///    [`stream_k_matches_data_parallel`]): the rest within TOL.
+///
+/// A dropped, doubled or misplaced element is far outside both bounds.
+/// Skips (saying so) on GPUs without the wgmma path.
+fn epilogue_forms_match<B: Pf>(preset: &str, n: usize) {
+    use qmk_kernels::params::{FLAG_PF_ROPE_PHASE, FLAG_PF_SCALAR_EPI};
+    let test = format!(
+        "{preset} {} whole-tile vs per-element epilogues, {n} tokens in chunks of {}",
+        B::NAME,
+        chunk()
+    );
+    let Some(_g) = gpu_or_skip(&test) else { return };
+    let w = weights(preset);
+    let tokens = prompt(n, w.config.vocab_size);
+    let mut gpu = B::open(&w, capacity(n), chunk())
+        .unwrap_or_else(|e| panic!("{test}: opening the backend: {e}"));
+    if !gpu.has_wgmma() {
+        println!("SKIPPED {test}: no wgmma prefill GEMM on this GPU");
+        return;
+    }
+    let mut run = |flags: u32| {
+        gpu.reset().unwrap();
+        gpu.set_flags(FLAG_PF_ROPE_PHASE | FLAG_PF_SCALAR_EPI, false);
+        gpu.set_flags(flags, true);
+        let out = gpu.prefill(&tokens, 0).unwrap();
+        let lg = gpu.logits().unwrap();
+        let (k, v) = gpu.kv_cache().unwrap();
+        (out.argmax, lg, k, v)
+    };
+    let base = run(0);
+    let rope = run(FLAG_PF_ROPE_PHASE);
+    let scalar = run(FLAG_PF_SCALAR_EPI);
+    let f = |c: &[u16]| c.iter().map(|&b| bf16(b)).collect::<Vec<f32>>();
+    // Layer 0, positions 0..n (the cache is [layer, capacity, kv]).
+    let kv = w.config.kv_dim();
+    let layer0 = |c: &[u16]| f(&c[..n * kv]);
+    let rope_same = base.1 == rope.1 && base.2 == rope.2 && base.3 == rope.3;
+    let (el, ek, ev) = (
+        rel_err(&base.1, &scalar.1),
+        rel_err(&f(&base.2), &f(&scalar.2)),
+        rel_err(&f(&base.3), &f(&scalar.3)),
+    );
+    let (k0, v0) = (
+        rel_err(&layer0(&base.2), &layer0(&scalar.2)),
+        rel_err(&layer0(&base.3), &layer0(&scalar.3)),
+    );
+    println!(
+        "{test}: rope phase bit-identical: {rope_same} (picks {} / {}); per-element: layer 0 K / V {k0:.2e} / {v0:.2e}, all layers K {ek:.3e}, V {ev:.3e}, logits {el:.3e}, pick {}",
+        base.0, rope.0, scalar.0
+    );
+    assert!(
+        rope_same,
+        "{test}: the fused rotary and the rope phase must give the same bits (logits rel diff {:.3e}, K {:.3e}, V {:.3e})",
+        rel_err(&base.1, &rope.1),
+        rel_err(&f(&base.2), &f(&rope.2)),
+        rel_err(&f(&base.3), &f(&rope.3))
+    );
+    assert!(
+        k0 == 0.0 && v0 == 0.0,
+        "{test}: layer 0's K/V precede every gate/up and must be identical"
+    );
+    assert!(
+        el <= TOL && ek <= TOL && ev <= TOL,
+        "{test}: the per-element epilogues differ by more than {TOL}"
+    );
+}
+
 /// Prefill of N tokens vs the CPU reference: last logits, KV cache, then 32
 /// greedy decode steps.
 fn prefill_matches_reference<B: Pf>(preset: &str, n: usize) {
@@ -671,5 +750,7 @@ both!(
     2048,
     2048
 );
+both!(e_epilogues_0_5b_17, epilogue_forms_match, "0.5b", 17);
+both!(e_epilogues_7b_512, epilogue_forms_match, "7b", 512);
 both!(b_0_5b_threshold, prefill_threshold_table, "0.5b");
 both!(c_7b_threshold, prefill_threshold_table, "7b");
