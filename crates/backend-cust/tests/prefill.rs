@@ -384,6 +384,51 @@ fn compute_reference(preset: &str, n: usize, w: &Arc<Weights>) -> RefPrefill {
     }
 }
 
+/// The backend for a GPU-vs-GPU comparison of wgmma-path variants: the
+/// weights, the prompt of `n` tokens and `B` opened with chunks of `chunk`;
+/// None (saying so) on GPUs without the wgmma path. The caller holds the
+/// GPU guard.
+fn open_wgmma<B: Pf>(
+    test: &str,
+    preset: &str,
+    n: usize,
+    chunk: u32,
+) -> Option<(Arc<Weights>, Vec<u32>, B)> {
+    let w = weights(preset);
+    let tokens = prompt(n, w.config.vocab_size);
+    let gpu = B::open(&w, capacity(n), chunk)
+        .unwrap_or_else(|e| panic!("{test}: opening the backend: {e}"));
+    if !gpu.has_wgmma() {
+        println!("SKIPPED {test}: no wgmma prefill GEMM on this GPU");
+        return None;
+    }
+    Some((w, tokens, gpu))
+}
+
+/// One prefill of `tokens` into a reset cache, kernel flags `mask` set to
+/// `on & mask`: the kernel's pick, the last logits and the K / V caches
+/// (bf16 bits, [layer, capacity, kv]).
+struct Variant {
+    pick: u32,
+    logits: Vec<f32>,
+    k: Vec<u16>,
+    v: Vec<u16>,
+}
+
+fn prefill_variant<B: Pf>(gpu: &mut B, tokens: &[u32], mask: u32, on: u32) -> Variant {
+    gpu.reset().unwrap();
+    gpu.set_flags(mask, false);
+    gpu.set_flags(on & mask, true);
+    let pick = gpu.prefill(tokens, 0).unwrap().argmax;
+    let logits = gpu.logits().unwrap();
+    let (k, v) = gpu.kv_cache().unwrap();
+    Variant { pick, logits, k, v }
+}
+
+fn bf16s(c: &[u16]) -> Vec<f32> {
+    c.iter().map(|&b| bf16(b)).collect()
+}
+
 /// The wgmma GEMM's stream-K split (kernels/cuda/prefill_wgmma.cuh,
 /// `wg_phase`) against the same kernel with every tile data-parallel
 /// (`FLAG_PF_NO_STREAM_K`), GPU against GPU. Only the f32 summation order
@@ -409,25 +454,14 @@ fn stream_k_chunk_matches_data_parallel<B: Pf>(preset: &str, n: usize, chunk: u3
         B::NAME
     );
     let Some(_g) = gpu_or_skip(&test) else { return };
-    let w = weights(preset);
-    let tokens = prompt(n, w.config.vocab_size);
-    let mut gpu = B::open(&w, capacity(n), chunk)
-        .unwrap_or_else(|e| panic!("{test}: opening the backend: {e}"));
-    if !gpu.has_wgmma() {
-        println!("SKIPPED {test}: no wgmma prefill GEMM on this GPU");
+    let Some((w, tokens, mut gpu)) = open_wgmma::<B>(&test, preset, n, chunk) else {
         return;
-    }
-    let mut run = |flags: u32| {
-        gpu.reset().unwrap();
-        gpu.set_flags(qmk_kernels::params::FLAG_PF_NO_STREAM_K, flags != 0);
-        let out = gpu.prefill(&tokens, 0).unwrap();
-        let lg = gpu.logits().unwrap();
-        let (k, v) = gpu.kv_cache().unwrap();
-        let f = |c: &[u16]| c.iter().map(|&b| bf16(b)).collect::<Vec<f32>>();
-        (out.argmax, lg, f(&k), f(&v))
     };
-    let (a0, l0, k0, v0) = run(0);
-    let (a1, l1, k1, v1) = run(1);
+    use qmk_kernels::params::FLAG_PF_NO_STREAM_K as NO_SK;
+    let split = prefill_variant(&mut gpu, &tokens, NO_SK, 0);
+    let dp = prefill_variant(&mut gpu, &tokens, NO_SK, NO_SK);
+    let (a0, l0, k0, v0) = (split.pick, split.logits, bf16s(&split.k), bf16s(&split.v));
+    let (a1, l1, k1, v1) = (dp.pick, dp.logits, bf16s(&dp.k), bf16s(&dp.v));
     let (el, ek, ev) = (rel_err(&l0, &l1), rel_err(&k0, &k1), rel_err(&v0, &v1));
     // Layers 0 and 1, positions 0..n.
     let (cap, kv) = (capacity(n), w.config.kv_dim());
@@ -484,50 +518,36 @@ fn epilogue_forms_match<B: Pf>(preset: &str, n: usize) {
         chunk()
     );
     let Some(_g) = gpu_or_skip(&test) else { return };
-    let w = weights(preset);
-    let tokens = prompt(n, w.config.vocab_size);
-    let mut gpu = B::open(&w, capacity(n), chunk())
-        .unwrap_or_else(|e| panic!("{test}: opening the backend: {e}"));
-    if !gpu.has_wgmma() {
-        println!("SKIPPED {test}: no wgmma prefill GEMM on this GPU");
+    let Some((w, tokens, mut gpu)) = open_wgmma::<B>(&test, preset, n, chunk()) else {
         return;
-    }
-    let mut run = |flags: u32| {
-        gpu.reset().unwrap();
-        gpu.set_flags(FLAG_PF_ROPE_PHASE | FLAG_PF_SCALAR_EPI, false);
-        gpu.set_flags(flags, true);
-        let out = gpu.prefill(&tokens, 0).unwrap();
-        let lg = gpu.logits().unwrap();
-        let (k, v) = gpu.kv_cache().unwrap();
-        (out.argmax, lg, k, v)
     };
-    let base = run(0);
-    let rope = run(FLAG_PF_ROPE_PHASE);
-    let scalar = run(FLAG_PF_SCALAR_EPI);
-    let f = |c: &[u16]| c.iter().map(|&b| bf16(b)).collect::<Vec<f32>>();
+    let mask = FLAG_PF_ROPE_PHASE | FLAG_PF_SCALAR_EPI;
+    let base = prefill_variant(&mut gpu, &tokens, mask, 0);
+    let rope = prefill_variant(&mut gpu, &tokens, mask, FLAG_PF_ROPE_PHASE);
+    let scalar = prefill_variant(&mut gpu, &tokens, mask, FLAG_PF_SCALAR_EPI);
     // Layer 0, positions 0..n (the cache is [layer, capacity, kv]).
     let kv = w.config.kv_dim();
-    let layer0 = |c: &[u16]| f(&c[..n * kv]);
-    let rope_same = base.1 == rope.1 && base.2 == rope.2 && base.3 == rope.3;
+    let layer0 = |c: &[u16]| bf16s(&c[..n * kv]);
+    let rope_same = base.logits == rope.logits && base.k == rope.k && base.v == rope.v;
     let (el, ek, ev) = (
-        rel_err(&base.1, &scalar.1),
-        rel_err(&f(&base.2), &f(&scalar.2)),
-        rel_err(&f(&base.3), &f(&scalar.3)),
+        rel_err(&base.logits, &scalar.logits),
+        rel_err(&bf16s(&base.k), &bf16s(&scalar.k)),
+        rel_err(&bf16s(&base.v), &bf16s(&scalar.v)),
     );
     let (k0, v0) = (
-        rel_err(&layer0(&base.2), &layer0(&scalar.2)),
-        rel_err(&layer0(&base.3), &layer0(&scalar.3)),
+        rel_err(&layer0(&base.k), &layer0(&scalar.k)),
+        rel_err(&layer0(&base.v), &layer0(&scalar.v)),
     );
     println!(
         "{test}: rope phase bit-identical: {rope_same} (picks {} / {}); per-element: layer 0 K / V {k0:.2e} / {v0:.2e}, all layers K {ek:.3e}, V {ev:.3e}, logits {el:.3e}, pick {}",
-        base.0, rope.0, scalar.0
+        base.pick, rope.pick, scalar.pick
     );
     assert!(
         rope_same,
         "{test}: the fused rotary and the rope phase must give the same bits (logits rel diff {:.3e}, K {:.3e}, V {:.3e})",
-        rel_err(&base.1, &rope.1),
-        rel_err(&f(&base.2), &f(&rope.2)),
-        rel_err(&f(&base.3), &f(&rope.3))
+        rel_err(&base.logits, &rope.logits),
+        rel_err(&bf16s(&base.k), &bf16s(&rope.k)),
+        rel_err(&bf16s(&base.v), &bf16s(&rope.v))
     );
     assert!(
         k0 == 0.0 && v0 == 0.0,

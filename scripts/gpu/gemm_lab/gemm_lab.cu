@@ -226,6 +226,12 @@ int main(int argc, char** argv) {
         B.mx2 = tmap(B.x, H, T, 256);
         B.mhb2 = tmap(B.hb, I, T, 256);
         const uint32_t tt2 = (T + 255) / 256;
+        // cuBLAS: out[T, n] (row-major, type ot) = beta * out + a[T, k] . w[n, k]^T.
+        auto cublas = [&](const void* w, int n, int k, const void* a, void* out, cudaDataType ot, float beta) {
+            const float one = 1.0f;
+            CB(cublasGemmEx(cb, CUBLAS_OP_T, CUBLAS_OP_N, n, T, k, &one, w, CUDA_R_16BF, k, a, CUDA_R_16BF, k,
+                            &beta, out, ot, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        };
         const uint32_t tt = (T + 127) / 128;
         auto job_gu = [&]() {
             ws::Job j{148, tt, H / 64, 128, 0, (uint32_t)T, (uint32_t)I, (uint32_t)I, B.hb};
@@ -249,13 +255,8 @@ int main(int argc, char** argv) {
                 if (v == 2) {
                     // hb-shaped bf16 outputs of gate and up (no SiLU: cuBLAS's
                     // share of the work, as torch_gemm_ref.py times it).
-                    const float one = 1.0f, zero = 0.0f;
-                    CB(cublasGemmEx(cb, CUBLAS_OP_T, CUBLAS_OP_N, I, T, H, &one, B.wg[l], CUDA_R_16BF, H,
-                                    B.x, CUDA_R_16BF, H, &zero, B.hb, CUDA_R_16BF, I, CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
-                    CB(cublasGemmEx(cb, CUBLAS_OP_T, CUBLAS_OP_N, I, T, H, &one, B.wu[l], CUDA_R_16BF, H,
-                                    B.x, CUDA_R_16BF, H, &zero, B.hb, CUDA_R_16BF, I, CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
+                    cublas(B.wg[l], I, H, B.x, B.hb, CUDA_R_16BF, 0.0f);
+                    cublas(B.wu[l], I, H, B.x, B.hb, CUDA_R_16BF, 0.0f);
                 }
             }
             if (what & 2) {
@@ -268,10 +269,7 @@ int main(int argc, char** argv) {
                 if (v == 4) launch<false, ws::kProbe>(B.md[l], B.md[l], B.mhb, job_dn(), G, st);
                 if (v == 5) launch<false, ws::kResidualRed>(B.md[l], B.md[l], B.mhb, job_dn(), G, st);
                 if (v == 2) {
-                    const float one = 1.0f;
-                    CB(cublasGemmEx(cb, CUBLAS_OP_T, CUBLAS_OP_N, H, T, I, &one, B.wd[l], CUDA_R_16BF, I,
-                                    B.hb, CUDA_R_16BF, I, &one, B.act, CUDA_R_32F, H, CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
+                    cublas(B.wd[l], H, I, B.hb, B.act, CUDA_R_32F, 1.0f);
                 }
             }
         };
@@ -291,13 +289,8 @@ int main(int argc, char** argv) {
             float* rup;
             CK(cudaMalloc(&rup, ngu * 4));
             {
-                const float one = 1.0f, zero = 0.0f;
-                CB(cublasGemmEx(cb, CUBLAS_OP_T, CUBLAS_OP_N, I, T, H, &one, B.wg[0], CUDA_R_16BF, H, B.x,
-                                CUDA_R_16BF, H, &zero, rgu, CUDA_R_32F, I, CUBLAS_COMPUTE_32F,
-                                CUBLAS_GEMM_DEFAULT));
-                CB(cublasGemmEx(cb, CUBLAS_OP_T, CUBLAS_OP_N, I, T, H, &one, B.wu[0], CUDA_R_16BF, H, B.x,
-                                CUDA_R_16BF, H, &zero, rup, CUDA_R_32F, I, CUBLAS_COMPUTE_32F,
-                                CUBLAS_GEMM_DEFAULT));
+                cublas(B.wg[0], I, H, B.x, rgu, CUDA_R_32F, 0.0f);
+                cublas(B.wu[0], I, H, B.x, rup, CUDA_R_32F, 0.0f);
                 CK(cudaStreamSynchronize(st));
             }
             std::vector<float> ref(ngu), refd(ndn), gotd(ndn);
@@ -326,11 +319,8 @@ int main(int argc, char** argv) {
                        maxe, maxr, maxe <= 1e-2 * maxr ? "OK" : "FAIL");
                 // down on the hb just written
                 {
-                    const float one = 1.0f;
                     CK(cudaMemcpy(rdn, act0, ndn * 4, cudaMemcpyDeviceToDevice));
-                    CB(cublasGemmEx(cb, CUBLAS_OP_T, CUBLAS_OP_N, H, T, I, &one, B.wd[0], CUDA_R_16BF, I,
-                                    B.hb, CUDA_R_16BF, I, &one, rdn, CUDA_R_32F, H, CUBLAS_COMPUTE_32F,
-                                    CUBLAS_GEMM_DEFAULT));
+                    cublas(B.wd[0], H, I, B.hb, rdn, CUDA_R_32F, 1.0f);
                 }
                 CK(cudaMemcpy(B.act, act0, ndn * 4, cudaMemcpyDeviceToDevice));
                 run_layer(v, 0, 2);

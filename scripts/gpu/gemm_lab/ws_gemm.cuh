@@ -15,6 +15,12 @@
 // SiLU(gate) * up is thread-local; for one weight tensor, A1 = rows + 128.
 // With MC, the two CTAs of a cluster take token tiles 2u, 2u + 1 of the same
 // weight tile; CTA r loads box A_r and multicasts it to both.
+//
+// Standalone on purpose (nvcc on the GPU machine, none of the megakernel's
+// generated headers): the wgmma / mbarrier wrappers restate the ones in
+// kernels/cuda/prefill_wgmma.cuh, and gemm() / gemm2() are two variants
+// kept side by side for the comparison, not one code path.
+// Results: NOTES.md, "prefill v5"; logs scripts/gpu/runs/2026-11-30-lab/.
 #pragma once
 
 namespace ws {
