@@ -183,13 +183,14 @@ __device__ __forceinline__ void WgQkvOut::tile(const float (&acc)[NT / 2], u32 t
     // The next tile's mainloop starts with a __syncthreads before its loads
     // overwrite the stages.
 }
+
 // o_proj / down: act[t, n] += v by red.global.add (one add per element, so
 // the same bits as load-add-store, without a load round trip per element;
 // kFlagPfScalarEpi: load-add-store).
 struct WgResidualOut {
     float* act;  // [T, QMK_HIDDEN] f32 residual stream
     bool scalar;
-    bool whole_tile;  // always false: per element
+    static constexpr bool whole_tile = false;  // per element only
     template <int NT>
     __device__ __forceinline__ void tile(const float (&)[NT / 2], u32, const WgTile&, u32) const {}
     __device__ __forceinline__ float col(const WgTile&, u32) const { return 0.0f; }
@@ -243,7 +244,7 @@ __device__ __forceinline__ void wg_residual_tiles(const PrefillParams& pp,
         d.which = 0;
         w[0] = wt;
     };
-    const WgResidualOut epi{act, (pp.base.flags & kFlagPfScalarEpi) != 0, false};
+    const WgResidualOut epi{act, (pp.base.flags & kFlagPfScalarEpi) != 0};
     wg_phase<NT, 1, K>(pp, sk, phase, layer, reinterpret_cast<const char*>(a), a_cols * 2u,
                        mt * WT, smem, desc, epi);
 }

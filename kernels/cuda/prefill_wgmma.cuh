@@ -307,7 +307,6 @@ __device__ __forceinline__ float silu_fast(float g) { return __fdividef(g, 1.0f 
 // 16 whole 16-byte stores. Measured in scripts/gpu/gemm_lab: one 2-byte store
 // per value (4 tokens per warp instruction) kept the tensor cores idle for
 // most of the difference between the mainloop and the phase.
-
 template <int NT>
 __device__ __forceinline__ void wg_epilogue_gate_up(const float (&acc)[NT / 2], u32 t_end,
                                                     const WgTile& d, u32 smem, u16* hb) {
