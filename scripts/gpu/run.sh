@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# The one entry point for GPU work: builds here (no GPU needed), runs there.
+#
+#   Here:          bash scripts/gpu/run.sh build
+#                  -> .carry/gpu/bin.tar.xz: qwen-mk (cudarc + cust) and every
+#                     GPU test program, stripped. With BASE=DIR, DIR/qwen-mk is
+#                     packed too as the A/B baseline (`ab` below).
+#   GPU machine:   bash scripts/gpu/run.sh [STEP...]     (device carry: .carry/gpu)
+#
+# Steps (default: tests checksums bench prefill):
+#   tests       every GPU test program, both drivers, one test at a time
+#   checksums   per-step logit checksums at 0.5B and 7B, both drivers; written
+#               to $OUT/checksums.txt and compared against the recorded file
+#   bench       qwen-mk bench: decode 0.5B / 7B / 14B (short context), 7B at
+#               8,192 and 32,768 positions, both drivers at 0.5B and 7B
+#   prefill     qwen-mk bench --prefill: 0.5B and 7B at 512 and 2,048 tokens
+#   ab          baseline vs this build, interleaved in rounds, decode and
+#               prefill (needs BASE at build time)
+#   hf          Hugging Face transformers eager on the same shapes
+#               (scripts/gpu/hf_side_by_side.py)
+#   sanitizer   compute-sanitizer memcheck on one short decode
+#
+# Every step runs under `timeout`; a failure never stops the script; logs go
+# to $OUT/logs.tgz and a summary (PASS / FAIL per step, key numbers) is
+# printed last.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+CARRY=${CARRY:-$ROOT/.carry/gpu}
+# GPU test programs: package:test-target.
+TEST_PROGRAMS=${TEST_PROGRAMS:-"qmk-backend-cust:checksums"}
+
+if [[ ${1:-} == build ]]; then
+  set -e
+  cd "$ROOT"
+  eval "$(bash .ci/stub-libcuda.sh)"
+  # find_cuda_helper only searches $CUDA_LIBRARY_PATH/lib64.
+  if [[ ! -e $CUDA_LIBRARY_PATH/lib64 ]]; then
+    mkdir -p /tmp/qmk-cust-stub && ln -sfn "$CUDA_LIBRARY_PATH" /tmp/qmk-cust-stub/lib64
+    export CUDA_LIBRARY_PATH=/tmp/qmk-cust-stub
+  fi
+  stage=$(mktemp -d)
+  cargo build -p qwen-mk --release --features cust
+  cp target/release/qwen-mk "$stage/qwen-mk"
+  for spec in $TEST_PROGRAMS; do
+    pkg=${spec%%:*} t=${spec#*:}
+    exe=$(cargo test -p "$pkg" --release --test "$t" --no-run --message-format=json 2>/dev/null \
+      | python3 -c 'import sys, json
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] and m.get("executable"):
+        print(m["executable"])' "$t" | tail -1)
+    [[ -n $exe ]] || { echo "no test program for $spec"; exit 1; }
+    cp "$exe" "$stage/test-$t"
+  done
+  if [[ -n ${BASE:-} ]]; then cp "$BASE/qwen-mk" "$stage/base-qwen-mk"; fi
+  strip "$stage"/*
+  rm -rf "$CARRY"; mkdir -p "$CARRY"
+  tar -C "$stage" -cf - . | xz -6 -T2 > "$CARRY/bin.tar.xz"
+  rm -rf "$stage"
+  ls -la "$CARRY"
+  exit 0
+fi
+
+OUT=${OUT:-$ROOT/gpu-out}
+LOG=/tmp/qmk-logs
+BIN=/tmp/qmk-bin
+mkdir -p "$OUT" "$LOG" "$BIN"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export QMK_CACHE_DIR=${QMK_CACHE_DIR:-/tmp/qmk-cubins} RUST_BACKTRACE=1
+STEPS=${*:-tests checksums bench prefill}
+summary=()
+note() { summary+=("$*"); echo "$*"; }
+
+echo "== $(date -u +%FT%TZ) run.sh: $STEPS"
+timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw \
+  --format=csv 2>&1 | tee "$LOG/nvidia-smi.txt"
+tar -C "$BIN" -xJf "$CARRY/bin.tar.xz" || note "FAIL unpack $CARRY/bin.tar.xz"
+
+# One test program, one test at a time; PASS needs exit 0, a result line and
+# no SKIPPED line (on the GPU machine a skip is a failure).
+run_tests() {
+  local name=$1 lim=$2; shift 2
+  local t=$SECONDS
+  timeout -k 5 "$lim" "$BIN/$name" --test-threads=1 --nocapture "$@" > "$LOG/$name.log" 2>&1
+  local rc=$? verdict=FAIL
+  if [[ $rc == 0 ]] && grep -q "^test result: ok" "$LOG/$name.log" && ! grep -q "SKIPPED" "$LOG/$name.log"; then
+    verdict=PASS
+  fi
+  (( rc == 124 || rc == 137 )) && verdict="FAIL (timeout ${lim}s)"
+  local ran; ran=$(grep -oE "[0-9]+ passed; [0-9]+ failed" "$LOG/$name.log" | tail -1)
+  note "$verdict $name: rc=$rc, ${ran:-no result}, $(( SECONDS - t ))s"
+  grep -E "panicked|^test .*FAILED|mismatch" "$LOG/$name.log" | head -6 | while read -r x; do note "    ${x:0:200}"; done
+}
+
+# bench NAME BINARY ARGS...: one JSON line per object, tagged with the run name.
+bench() {
+  local name=$1 bin=$2; shift 2
+  local t=$SECONDS
+  timeout -k 5 300 "$BIN/$bin" bench --json "$@" > "$LOG/bench-$name.json" 2> "$LOG/bench-$name.err"
+  local rc=$?
+  python3 - "$name" "$LOG/bench-$name.json" >> "$LOG/bench.jsonl" <<'EOF'
+import json, sys
+name, path = sys.argv[1], sys.argv[2]
+for line in open(path):
+    line = line.strip()
+    if line.startswith("{"):
+        o = json.loads(line); o["run"] = name; print(json.dumps(o))
+EOF
+  note "bench $name rc=$rc $(( SECONDS - t ))s: $(python3 - "$LOG/bench-$name.json" <<'EOF'
+import json, sys
+out = []
+for line in open(sys.argv[1]):
+    line = line.strip()
+    if not line.startswith("{"): continue
+    o = json.loads(line)
+    keys = ["tok_per_s", "us_per_step", "pct_of_floor", "prefill_ms", "ttft_ms", "median_ms", "context"]
+    out.append(" ".join(f"{k}={o[k]:.4g}" if isinstance(o[k], float) else f"{k}={o[k]}" for k in keys if k in o))
+print(" | ".join(out)[:400])
+EOF
+)"
+  [[ $rc == 0 ]] || tail -3 "$LOG/bench-$name.err" | while read -r x; do note "    ${x:0:200}"; done
+}
+
+for step in $STEPS; do
+  echo "== step $step ($(date -u +%T))"
+  case $step in
+    tests)
+      for p in "$BIN"/test-*; do
+        n=$(basename "$p")
+        [[ $n == test-checksums ]] && continue
+        run_tests "$n" 500
+      done ;;
+    checksums)
+      rm -f "$OUT/checksums.txt"
+      QMK_CHECKSUMS_OUT="$OUT/checksums.txt" run_tests test-checksums 300
+      wc -l "$OUT/checksums.txt" 2>/dev/null ;;
+    bench)
+      for p in 0.5b 7b; do
+        for d in cudarc cust; do bench "$p-$d" qwen-mk --preset $p --backend $d; done
+      done
+      bench 14b-cudarc qwen-mk --preset 14b
+      bench 7b-long qwen-mk --preset 7b --context 8192,32768 ;;
+    prefill)
+      for p in 0.5b 7b; do
+        for n in 512 2048; do bench "prefill-$p-$n" qwen-mk --preset $p --prefill $n --prefill-chunk $n; done
+      done ;;
+    ab)
+      [[ -x $BIN/base-qwen-mk ]] || { note "FAIL ab: no baseline binary (BASE at build time)"; continue; }
+      for r in 1 2 3; do
+        for v in base-qwen-mk qwen-mk; do
+          bench "ab$r-$v-0.5b" $v --preset 0.5b
+          bench "ab$r-$v-7b" $v --preset 7b
+          bench "ab$r-$v-prefill-7b-2048" $v --preset 7b --prefill 2048 --prefill-chunk 2048
+        done
+      done ;;
+    hf)
+      t=$SECONDS
+      timeout -k 5 300 python3 "$ROOT/scripts/gpu/hf_side_by_side.py" > "$LOG/hf.log" 2>&1
+      note "hf rc=$? $(( SECONDS - t ))s"; tail -15 "$LOG/hf.log" ;;
+    sanitizer)
+      t=$SECONDS
+      timeout -k 5 300 compute-sanitizer --tool memcheck "$BIN/qwen-mk" bench --preset 0.5b --warmup 1 --steps 2 \
+        > "$LOG/sanitizer.log" 2>&1
+      note "sanitizer rc=$? $(( SECONDS - t ))s: $(grep -E 'ERROR SUMMARY' "$LOG/sanitizer.log" | tail -1)" ;;
+    *) note "FAIL unknown step $step" ;;
+  esac
+  tar czf "$OUT/logs.tgz" -C "$LOG" .
+done
+echo "== summary"
+printf '%s\n' "${summary[@]}"
