@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Hugging Face transformers eager bf16 on the Qwen2.5 shapes, in the same GPU
-run as our bench (issues 8 and 9), and the speed ratios.
+run as our bench, and the speed ratios.
 
   python3 scripts/gpu/hf_side_by_side.py [--budget S] [--json-out F] BENCH.jsonl ...
   python3 scripts/gpu/hf_side_by_side.py --selftest      # no GPU, no torch
@@ -11,12 +11,12 @@ attn_implementation="eager").
 Decode: `generate` of 128 greedy tokens (min_new_tokens = max_new_tokens =
 128) after an 8-token prompt, one warm-up run, median of the timed runs,
 tok/s = 128 / wall time (cuda-synchronized).
-Prefill (issue 9): time to first token = forward of a 512- and a
+Prefill: time to first token = forward of a 512- and a
 2,048-token prompt with the KV cache on, LM head on the last position only,
 cuda-synchronized, median of 5 after one warm-up; 0.5B and 7B.
 Reads our `qwen-mk bench --json` lines (decode: "tok_per_s"; prefill:
 "ttft_ms") and prints per shape: ours, HF, ours / HF, the llama.cpp figure
-of the issues (DESIGN.md section 4) and ours / llama.cpp. The same as JSON
+(docs/performance.md, "Peers") and ours / llama.cpp. The same as JSON
 with --json-out. Within --budget seconds (default 80): 14B decode is the
 first thing skipped (it says so).
 """
@@ -32,7 +32,7 @@ SHAPES = {
     "7b": dict(hidden=3584, inter=18944, layers=28, heads=28, kv_heads=4, head_dim=128, vocab=152064, tied=False),
     "14b": dict(hidden=5120, inter=13824, layers=48, heads=40, kv_heads=8, head_dim=128, vocab=152064, tied=False),
 }
-# Measured on this H200 earlier (DESIGN.md section 4; issues 8 and 9).
+# Measured on an H200 before this project (docs/performance.md, "Peers").
 LLAMA_DECODE = {"0.5b": 771.0, "7b": 198.0, "14b": 112.0}
 LLAMA_TTFT_MS = {("0.5b", 512): 6.2, ("0.5b", 2048): 23.0, ("7b", 512): 19.7, ("7b", 2048): 70.1}
 HF_EARLIER_DECODE = {"0.5b": 44.5, "7b": 35.7, "14b": 22.7}
