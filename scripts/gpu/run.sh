@@ -7,7 +7,7 @@
 #                     packed too as the A/B baseline (`ab` below).
 #   GPU machine:   bash scripts/gpu/run.sh [STEP...]     (device carry: .carry/gpu)
 #
-# Steps (default: tests checksums bench prefill):
+# Steps (default: tests checksums bench prefill; `all` adds hf):
 #   tests       every GPU test program, both drivers, one test at a time
 #   checksums   per-step logit checksums at 0.5B and 7B, both drivers; written
 #               to $OUT/checksums.txt and compared against the recorded file
@@ -68,6 +68,7 @@ mkdir -p "$OUT" "$LOG" "$BIN"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export QMK_CACHE_DIR=${QMK_CACHE_DIR:-/tmp/qmk-cubins} RUST_BACKTRACE=1
 STEPS=${*:-tests checksums bench prefill}
+STEPS=${STEPS/all/tests checksums bench prefill hf}
 summary=()
 note() { summary+=("$*"); echo "$*"; }
 
@@ -155,7 +156,8 @@ for step in $STEPS; do
       done ;;
     hf)
       t=$SECONDS
-      timeout -k 5 300 python3 "$ROOT/scripts/gpu/hf_side_by_side.py" > "$LOG/hf.log" 2>&1
+      timeout -k 5 300 python3 "$ROOT/scripts/gpu/hf_side_by_side.py" --budget 200 \
+        --json-out "$OUT/hf.json" "$LOG/bench.jsonl" > "$LOG/hf.log" 2>&1
       note "hf rc=$? $(( SECONDS - t ))s"; tail -15 "$LOG/hf.log" ;;
     sanitizer)
       t=$SECONDS
