@@ -56,7 +56,7 @@ static_assert((unsigned long long)QMK_VOCAB * QMK_HIDDEN * 2ull <= 0xffffffffull
               "embedding/LM head rows are addressed with koff_t");
 
 // The parameter block is passed by value and only ever read at constant
-// offsets (ld.param); ptxas reports 0 bytes of stack, i.e. no local copy.
+// offsets (ld.param), so it is never copied to local memory.
 //
 // Grid barriers per step: 5 per layer (after qkv, attention, o_proj, gate_up,
 // down) + 1 (after the LM head, before the argmax reduce).

@@ -108,7 +108,10 @@ mod tests {
             .filter(|n| !RENDERED.contains(n))
             .collect();
         let listed: Vec<&str> = HEADERS.iter().map(|(n, _)| *n).collect();
-        assert_eq!(embedded, listed, "megakernel.cu's includes and HEADERS differ");
+        assert_eq!(
+            embedded, listed,
+            "megakernel.cu's includes and HEADERS differ"
+        );
         for r in RENDERED {
             assert_eq!(inc.iter().filter(|n| **n == r).count(), 1, "{r}");
         }

@@ -99,7 +99,7 @@ __device__ __forceinline__ void prefill_attention_t(const PrefillParams& pp, u32
     // Items go heaviest first (grp counts down from the last query block),
     // dealt boustrophedon: round r gives CTA b item r G + b (r even) or
     // r G + G - 1 - b (r odd), so every CTA's total is near the mean. (Dealt
-    // b, b + G, ..., 7B at 2,048 tokens, 256 items on 132 CTAs, gave CTA 0
+    // b, b + G, ..., 7B at 2,048 tokens, 256 items on 132 CTAs, give CTA 0
     // the two heaviest of its rounds: 1.5x the mean.)
     for (u32 r = 0; r * gridDim.x < items; ++r) {
         const u32 it = r * gridDim.x + ((r & 1u) ? gridDim.x - 1u - blockIdx.x : blockIdx.x);

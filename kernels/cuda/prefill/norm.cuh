@@ -6,8 +6,8 @@
 // Lane l owns the float4 groups l, l + 32, ... of the row (H % 128 == 0 for
 // every Qwen2.5 shape; others take the scalar loop). The loads of a batch of
 // 8 groups are issued before their first use: a warp has ~8 x 512 B in
-// flight instead of one 128-byte load per round trip (the scalar version
-// was latency-bound: ~100 us a layer at 7B, whatever T).
+// flight instead of one 128-byte load per round trip (one scalar load per
+// round trip is latency-bound: ~100 us a layer at 7B, whatever T).
 #pragma once
 
 namespace qmk {

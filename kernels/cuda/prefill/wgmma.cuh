@@ -278,7 +278,7 @@ __device__ __forceinline__ void wg_epilogue(const float (&acc)[NT / 2], u32 t_en
 }
 
 // SiLU for the staged gate/up epilogue: fast exp and division (a few ulp;
-// the IEEE division and expf were ~25 instructions per value, 32 values per
+// the IEEE division and expf are ~25 instructions per value, 32 values per
 // thread per tile, while the tensor cores wait).
 __device__ __forceinline__ float silu_fast(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
