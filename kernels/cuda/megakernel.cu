@@ -1,38 +1,46 @@
-// megakernel.cu: one launch = one decode step of a Qwen2.5 model, plus the
-// two helper kernels that must come from the same cubin (the streaming-read
-// bandwidth floor and the 32-bit trap probe).
+// megakernel.cu: the one translation unit NVRTC compiles per (model config,
+// split plan, arch). Its cubin holds every kernel the engine launches:
+//   qmk_decode_step    one decode step of a Qwen2.5 model (defined below)
+//   qmk_prefill_chunk  one prompt chunk on tensor cores (prefill/chunk.cuh)
+//   qmk_stream_read    the streaming-read bandwidth floor (probes/stream.cuh)
+//   qmk_probe_fill,
+//   qmk_trap_probe     the 32-bit offset trap, demonstrated (probes/trap_probe.cuh)
+// They come from one cubin so that they share the rendered plan, the
+// parameter structs and the fingerprint the backend checks.
 //
-// Compiled by NVRTC per (model config, split plan, arch); qmk_plan.h is
-// rendered by qmk_kernels (shapes, strides, chunk tables, QMK_* constants)
-// and qmk_params_check.h static_asserts the parameter block's layout.
-#include "qmk_plan.h"
-#include "common.cuh"
-#include "params.cuh"
-#include "qmk_params_check.h"
-#include "tensors.cuh"
-#include "matvec.cuh"
-#include "embed.cuh"
-#include "rms_norm.cuh"
-#include "rotary.cuh"
-#include "kv_append.cuh"
-#include "barrier.cuh"
-#include "qkv_proj.cuh"
-#include "attention.cuh"
-#include "o_proj.cuh"
-#include "mlp.cuh"
-#include "lm_head.cuh"
-#include "argmax.cuh"
-#include "stream.cuh"
-#include "trap_probe.cuh"
-// The prefill kernel (issue 9): same cubin, own entry point.
-#include "prefill_mma.cuh"
-#include "prefill_gemm.cuh"
-#include "prefill_wgmma.cuh"
-#include "prefill_norm.cuh"
-#include "prefill_rope.cuh"
-#include "prefill_attention.cuh"
-#include "prefill_ops.cuh"
-#include "prefill.cuh"
+// Includes, in dependency order (the files do not include each other):
+// Rendered per model by qmk_kernels:
+#include "qmk_plan.h"            // shapes, strides, chunk tables, QMK_* constants
+// Shared core:
+#include "core/common.cuh"       // u16/u32/u64, koff_t, bf16 helpers, loads, fixed-order reductions
+#include "core/params.cuh"       // Params, PrefillParams, probe params, flags, error and phase codes
+#include "qmk_params_check.h"    // static_asserts: the structs above match the Rust ones
+#include "core/tensors.cuh"      // weight addressing through the split plan's chunks (LayerView)
+#include "core/rotary.cuh"       // rotary embedding of one (i, i + D/2) pair
+#include "core/kv_cache.cuh"     // KV cache addressing and the bf16 append
+#include "core/barrier.cuh"      // the grid barrier (bounded waits) and record_error
+// Decode ops (qmk_decode_step; lm_head and argmax also end the prefill):
+#include "decode/matvec.cuh"     // warp dot products of weight rows, the row-to-warp map
+#include "decode/embed.cuh"      // embedding row / residual read of layer 0
+#include "decode/rms_norm.cuh"   // per-CTA RMSNorm into shared memory
+#include "decode/qkv_proj.cuh"   // norm + q/k/v + bias + rotary + KV append
+#include "decode/attention.cuh"  // attention over the cache: one CTA per head, and the split path
+#include "decode/o_proj.cuh"     // output projection + residual
+#include "decode/mlp.cuh"        // norm + gate/up + SiLU, then down + residual
+#include "decode/lm_head.cuh"    // final norm + LM head + per-CTA argmax partials
+#include "decode/argmax.cuh"     // the fixed-order argmax over the partials
+// Probes:
+#include "probes/stream.cuh"     // qmk_stream_read
+#include "probes/trap_probe.cuh" // qmk_probe_fill, qmk_trap_probe
+// Prefill ops (qmk_prefill_chunk):
+#include "prefill/mma.cuh"         // mma.sync m16n8k16 and bf16 packing; chunk scratch pitches
+#include "prefill/gemm.cuh"        // the mma.sync GEMM tile (sm_80 / sm_89, and the sm_90a oracle)
+#include "prefill/wgmma.cuh"       // the wgmma GEMM (sm_90a): mainloop, epilogues, stream-K phases
+#include "prefill/norm.cuh"        // RMSNorm over the chunk's rows (layer 0: + embedding)
+#include "prefill/rope.cuh"        // rotary + K/V cache write as a phase (mma.sync path)
+#include "prefill/attention.cuh"   // causal flash attention on tensor cores
+#include "prefill/gemm_phases.cuh" // the qkv, o_proj, gate/up and down GEMM phases of a layer
+#include "prefill/chunk.cuh"       // qmk_prefill_chunk
 
 // Shared memory: the activation vector of the current phase, or the
 // attention merge buffers.
@@ -48,7 +56,7 @@ static_assert((unsigned long long)QMK_VOCAB * QMK_HIDDEN * 2ull <= 0xffffffffull
               "embedding/LM head rows are addressed with koff_t");
 
 // The parameter block is passed by value and only ever read at constant
-// offsets (ld.param); ptxas reports 0 bytes of stack, i.e. no local copy.
+// offsets (ld.param), so it is never copied to local memory.
 //
 // Grid barriers per step: 5 per layer (after qkv, attention, o_proj, gate_up,
 // down) + 1 (after the LM head, before the argmax reduce).
@@ -58,7 +66,7 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
     qmk_decode_step(const qmk::Params p) {
     using namespace qmk;
     extern __shared__ float4 qmk_dyn_smem[];
-    float* xs = reinterpret_cast<float*>(qmk_dyn_smem);
+    float* xs = reinterpret_cast<float*>(qmk_dyn_smem);  // [QMK_SMEM_FLOATS] f32
     __shared__ float red[QMK_WARPS];
 
     u32 token = p.token;

@@ -47,7 +47,7 @@ impl Arch {
 
     /// Hopper (sm_90): the megakernel is compiled for the arch-specific
     /// target sm_90a, whose wgmma instructions the prefill GEMM uses
-    /// (kernels/cuda/prefill_wgmma.cuh). Such a cubin loads on compute
+    /// (kernels/cuda/prefill/wgmma.cuh). Such a cubin loads on compute
     /// capability 9.0 only.
     pub fn has_wgmma(self) -> bool {
         self.0 == 90

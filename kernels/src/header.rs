@@ -52,7 +52,7 @@ impl KernelBuild {
     }
 }
 
-/// Prefill GEMM tile (kernels/cuda/prefill_gemm.cuh): largest rows x
+/// Prefill GEMM tile (kernels/cuda/prefill/gemm.cuh): largest rows x
 /// B rows, K step and padded row length of the shared-memory tiles (bf16
 /// elements).
 pub const PREFILL_GEMM_TILE: (u64, u64, u64, u64) = (128, 128, 32, 40);
@@ -69,7 +69,7 @@ pub fn prefill_smem_bytes(h: u64) -> u64 {
     (PREFILL_GEMM_STAGES * (bm + bn) * ld * 2).max(h * 4)
 }
 
-/// wgmma prefill GEMM tile (kernels/cuda/prefill_wgmma.cuh, sm_90a): weight
+/// wgmma prefill GEMM tile (kernels/cuda/prefill/wgmma.cuh, sm_90a): weight
 /// rows, largest token count and K step of one CTA tile (bf16 elements; a
 /// K step is one 128-byte swizzle row).
 pub const PREFILL_WGMMA_TILE: (u64, u64, u64) = (256, 128, 64);
@@ -187,7 +187,7 @@ impl KernelBuild {
             }
         }
 
-        // The split attention (attention.cuh, kAttnSplitSmemFloats): q of a
+        // The split attention (decode/attention.cuh, kAttnSplitSmemFloats): q of a
         // kv group [G, D], then the larger of the tile probabilities
         // [W, ATTN_TILE, 8] and the warp merge [W, G, D + 2].
         let group = heads / kvh.max(1);
@@ -290,8 +290,8 @@ impl KernelBuild {
     /// The in-memory headers NVRTC gets.
     pub fn headers(&self) -> Vec<(&str, &str)> {
         let mut v: Vec<(&str, &str)> = source::HEADERS.to_vec();
-        v.push(("qmk_plan.h", &self.plan_header));
-        v.push(("qmk_params_check.h", &self.params_check));
+        v.push((source::RENDERED[0], &self.plan_header));
+        v.push((source::RENDERED[1], &self.params_check));
         v
     }
 }

@@ -1,5 +1,8 @@
-//! The Qwen2.5 decode megakernel (CUDA C++, one file per fused op under
-//! `cuda/`) and the code that turns a model's split plan into a cubin.
+//! The Qwen2.5 megakernels (CUDA C++ under `cuda/`: `core/` shared by every
+//! kernel, `decode/` the ops of one decode step, `prefill/` the tensor-core
+//! prompt kernel, `probes/` the bandwidth floor and the 32-bit trap probe;
+//! `megakernel.cu` includes them all) and the code that turns a model's
+//! split plan into a cubin.
 //!
 //! ```no_run
 //! use qmk_kernels::{Arch, Compiler, KernelBuild};
@@ -11,7 +14,7 @@
 //! ```
 //!
 //! The parameter block ([`KernelParams`]) is `#[repr(C)]` with a C++ twin in
-//! `cuda/params.cuh`; the build renders `static_assert`s of its size and of
+//! `cuda/core/params.cuh`; the build renders `static_assert`s of its size and of
 //! every field offset from the Rust side.
 
 mod compile;
@@ -33,5 +36,6 @@ pub use header::{
 pub use nvrtc::Nvrtc;
 pub use params::{
     HostStatus, KernelParams, PrefillParams, ProbeFillParams, ProbeParams, StreamParams, SyncState,
-    FLAG_DEBUG_HANG, FLAG_TOKEN_FROM_ARGMAX, MAX_CHUNKS, THREADS_PER_CTA,
+    FLAG_ATTN_FORCE_SPLIT, FLAG_ATTN_NO_SPLIT, FLAG_DEBUG_HANG, FLAG_DEBUG_OOB, FLAG_PF_MMA_SYNC,
+    FLAG_PF_NO_STREAM_K, FLAG_TOKEN_FROM_ARGMAX, MAX_CHUNKS, SKIP_SHIFT, THREADS_PER_CTA,
 };

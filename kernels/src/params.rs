@@ -1,4 +1,4 @@
-//! The kernel parameter blocks, `#[repr(C)]`, twins of `cuda/params.cuh`.
+//! The kernel parameter blocks, `#[repr(C)]`, twins of `cuda/core/params.cuh`.
 //!
 //! [`params_check_header`] renders `static_assert`s of the C++ structs' size
 //! and of every field's offset, with the numbers taken from these Rust
@@ -13,85 +13,58 @@ pub const MAX_CHUNKS: usize = 16;
 /// Threads per CTA of every kernel in the cubin.
 pub const THREADS_PER_CTA: u32 = 512;
 
-/// [`KernelParams::flags`]: read the input token from `argmax_out` (the
-/// previous step's pick) instead of `token`.
+// Flag bits of [`KernelParams::flags`]: only what the product or its tests
+// use. With a bit clear, its hook or oracle leaves the default path's code
+// and results alone. Bits in use: 0, 1, 3, 5, 6, 8-13 (the skip mask), 18,
+// 19; the others are free.
+
+/// [`KernelParams::flags`], product: read the input token from
+/// `argmax_out` (the previous step's pick) instead of `token`, so greedy
+/// steps run back to back with no host round trip.
 pub const FLAG_TOKEN_FROM_ARGMAX: u32 = 1;
 
-/// [`KernelParams::flags`], tests only: the last CTA skips its first grid
+/// [`KernelParams::flags`], fault tests: the last CTA skips its first grid
 /// barrier arrival (a real hang the bounded spin-waits must turn into an
 /// error).
 pub const FLAG_DEBUG_HANG: u32 = 2;
 
-/// [`KernelParams::flags`], measurement only: the old fenced grid barrier
-/// (`__threadfence` + `atomicAdd`) instead of the default `red.release` /
-/// `ld.acquire` one (NOTES.md, v1.2).
-pub const FLAG_BARRIER_FENCED: u32 = 4;
-
-/// [`KernelParams::flags`], tests only: thread 0 of CTA 0 reads the word
+/// [`KernelParams::flags`], fault tests: thread 0 of CTA 0 reads the word
 /// just past the logits buffer (caught by compute-sanitizer memcheck with
 /// `--padding`), then a weight chunk base + 2^40 bytes (no mapping there:
 /// CUDA_ERROR_ILLEGAL_ADDRESS, a sticky error).
 pub const FLAG_DEBUG_OOB: u32 = 8;
 
-/// [`KernelParams::flags`], measurement (issue 8): warp-major row map in
-/// every round of the weight phases (`r = warp * grid + cta`). By default
-/// only a phase's last, partial round is warp-major (spread over every SM)
-/// and full rounds are CTA-major (`cta * warps + warp`). Bit-identical
-/// results whichever map runs.
-pub const FLAG_WARP_MAJOR: u32 = 16;
-
-/// [`KernelParams::flags`], A/B: CTA-major row map in every round of the
-/// weight phases, the tail round included (the v1.2 map).
-pub const FLAG_CTA_MAJOR: u32 = 1 << 17;
-
-/// [`KernelParams::flags`], A/B: the v1 attention (one CTA per query head
-/// over the whole sequence) instead of the sequence split across CTAs
-/// (flash-decoding, partials combined in o_proj's prologue).
+/// [`KernelParams::flags`], test oracle: the one-CTA-per-head attention at
+/// every context length. By default it runs below
+/// [`ATTN_SPLIT_MIN_CONTEXT`] cached positions and the split
+/// (flash-decoding) attention from there on; the long-context tests compare
+/// the two paths on the same cache.
 pub const FLAG_ATTN_NO_SPLIT: u32 = 32;
 
-/// [`KernelParams::flags`], A/B: the split attention at every context
-/// length (by default it runs from [`ATTN_SPLIT_MIN_CONTEXT`] cached
-/// positions on, the v1 path below). `FLAG_ATTN_NO_SPLIT` wins over it.
+/// [`KernelParams::flags`], test oracle: the split attention at every
+/// context length, so short contexts exercise it too.
+/// [`FLAG_ATTN_NO_SPLIT`] wins over it.
 pub const FLAG_ATTN_FORCE_SPLIT: u32 = 64;
 
-/// [`KernelParams::flags`], A/B for the prefill kernel on sm_90a: the
-/// mma.sync GEMM (kernels/cuda/prefill_gemm.cuh) instead of the wgmma one
-/// (prefill_wgmma.cuh). No effect on other archs or on the decode kernel.
+/// [`KernelParams::flags`], test oracle for the prefill kernel on sm_90a:
+/// the mma.sync GEMM (`cuda/prefill/gemm.cuh`, the sm_80 / sm_89 path,
+/// with its rope phase) instead of the wgmma one: the only way to run that
+/// path on a Hopper GPU. No effect on other archs or on the decode kernel.
 pub const FLAG_PF_MMA_SYNC: u32 = 1 << 18;
 
-/// [`KernelParams::flags`], A/B for the wgmma prefill GEMM: every tile
-/// data-parallel (no stream-K split of the last wave).
+/// [`KernelParams::flags`], test oracle for the wgmma prefill GEMM: every
+/// tile data-parallel (no stream-K split of small phases or of a short last
+/// wave); the stream-K test compares against it.
 pub const FLAG_PF_NO_STREAM_K: u32 = 1 << 19;
-
-/// [`KernelParams::flags`], A/B for the wgmma prefill GEMM: stream-K only
-/// for phases of fewer tiles than half the grid (the v3 policy); full
-/// phases whose last wave leaves SMs idle stay data-parallel.
-pub const FLAG_PF_SK_SMALL_ONLY: u32 = 1 << 20;
-
-/// [`KernelParams::flags`], A/B for the prefill attention with head_dim
-/// 128: two warps per head and query block, each with half of the output
-/// dims (the v3 attention), instead of one warp with Q in shared memory.
-pub const FLAG_PF_ATTN_SPLIT_D: u32 = 1 << 21;
-
-/// [`KernelParams::flags`], A/B for the wgmma prefill GEMM: the
-/// per-element epilogues (gate/up one 2-byte store per value, o_proj and
-/// down load-add-store per element) instead of gate/up staged through
-/// shared memory into 16-byte stores and the residual added with
-/// `red.global.add`.
-pub const FLAG_PF_SCALAR_EPI: u32 = 1 << 22;
-
-/// [`KernelParams::flags`], A/B for the wgmma prefill GEMM: the rotary
-/// embedding and the K/V cache write as their own phase after the q/k/v
-/// GEMM (through the f32 q/k/v scratch) instead of in its tile epilogue.
-pub const FLAG_PF_ROPE_PHASE: u32 = 1 << 23;
 
 /// Cached positions (`pos + 1`) from which the split attention is the
 /// default (`qmk::kAttnSplitMinContext`).
 pub const ATTN_SPLIT_MIN_CONTEXT: u32 = 512;
 
-/// [`KernelParams::flags`], profiling: `(mask << SKIP_SHIFT)` skips phases
-/// (bit 0 qkv, 1 attention, 2 o_proj, 3 gate/up, 4 down, 5 lm_head) and keeps
-/// every barrier. The results of such a step are meaningless.
+/// [`KernelParams::flags`], profiling (`bench --profile`): `(mask <<
+/// SKIP_SHIFT)` skips phases (bit 0 qkv, 1 attention, 2 o_proj, 3 gate/up,
+/// 4 down, 5 lm_head) and keeps every barrier; time(full) - time(skip X) is
+/// what X costs. The results of such a step are meaningless.
 pub const SKIP_SHIFT: u32 = 8;
 
 /// Megakernel parameters (`qmk::Params`). Device addresses are `u64`.
@@ -309,7 +282,8 @@ pub fn params_check_header() -> String {
         "static_assert(QMK_MAX_CHUNKS == {MAX_CHUNKS}, \"QMK_MAX_CHUNKS differs from Rust MAX_CHUNKS\");\n"
     ));
     out.push_str(&format!(
-        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagBarrierFenced == {FLAG_BARRIER_FENCED}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagWarpMajor == {FLAG_WARP_MAJOR}u && qmk::kFlagCtaMajor == {FLAG_CTA_MAJOR}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kFlagPfMmaSync == {FLAG_PF_MMA_SYNC}u && qmk::kFlagPfNoStreamK == {FLAG_PF_NO_STREAM_K}u && qmk::kFlagPfSkSmallOnly == {FLAG_PF_SK_SMALL_ONLY}u && qmk::kFlagPfAttnSplitD == {FLAG_PF_ATTN_SPLIT_D}u && qmk::kFlagPfScalarEpi == {FLAG_PF_SCALAR_EPI}u && qmk::kFlagPfRopePhase == {FLAG_PF_ROPE_PHASE}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n"
+        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kFlagPfMmaSync == {FLAG_PF_MMA_SYNC}u && qmk::kFlagPfNoStreamK == {FLAG_PF_NO_STREAM_K}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n\
+         static_assert(qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u, \"split attention constants differ\");\n"
     ));
     out.push_str(&format!(
         "static_assert(qmk::kErrBarrierTimeout == {}u && qmk::kErrAborted == {}u && qmk::kErrBadToken == {}u && qmk::kErrBadPos == {}u, \"error codes differ\");\n",
@@ -484,6 +458,25 @@ mod tests {
         );
         assert!(size_of::<PrefillParams>() <= 4096);
         assert_eq!(offset_of!(PrefillParams, base), 0);
+    }
+
+    #[test]
+    fn flags_are_distinct_bits_outside_the_skip_mask() {
+        let flags = [
+            FLAG_TOKEN_FROM_ARGMAX,
+            FLAG_DEBUG_HANG,
+            FLAG_DEBUG_OOB,
+            FLAG_ATTN_NO_SPLIT,
+            FLAG_ATTN_FORCE_SPLIT,
+            FLAG_PF_MMA_SYNC,
+            FLAG_PF_NO_STREAM_K,
+        ];
+        let mut seen = 63u32 << SKIP_SHIFT;
+        for f in flags {
+            assert!(f.is_power_of_two(), "{f:#x}");
+            assert_eq!(seen & f, 0, "{f:#x} overlaps another flag or the skip mask");
+            seen |= f;
+        }
     }
 
     #[test]

@@ -87,9 +87,8 @@ fn a_broken_plan_fails_to_compile_with_the_tensor_named() {
     assert!(err.contains("qmk::Params::pos"), "{err}");
 }
 
-/// The prefill kernel (issue 9) is in every cubin: its ptxas report for the
-/// 0.5B and 7B shapes on sm_90 (`-- --nocapture` prints it; NOTES.md keeps
-/// the numbers).
+/// The prefill kernel is in every cubin: its ptxas report for the 0.5B and
+/// 7B shapes on sm_90 (`-- --nocapture` prints it).
 #[test]
 fn prefill_kernel_is_in_the_cubin() {
     let Some(c) = compiler() else { return };

@@ -1,6 +1,6 @@
-//! DESIGN.md section 5, "no NVRTC": a library that is not there is a typed
-//! error naming what was tried, on every machine (no GPU needed). Also a
-//! file that exists but is not NVRTC.
+//! Without NVRTC: a library that is not there is a typed error naming what
+//! was tried, on every machine (no GPU needed). Also a file that exists but
+//! is not NVRTC.
 
 use std::path::Path;
 

@@ -1,4 +1,5 @@
-// trap_probe.cuh: the 32-bit trap, demonstrated (DESIGN.md 3.3).
+// probes/trap_probe.cuh: the 32-bit offset trap, demonstrated: why weights
+// are addressed through the split plan's chunks.
 //
 // qmk_probe_fill writes bf16(l + 1) into every element of layer l of a
 // stacked [layers, rows, cols] tensor (64-bit addressing: the fill is not
@@ -13,7 +14,7 @@
 extern "C" __global__ void __launch_bounds__(QMK_THREADS)
     qmk_probe_fill(const __grid_constant__ qmk::ProbeFillParams p) {
     using namespace qmk;
-    uint4* dst = reinterpret_cast<uint4*>(p.base);
+    uint4* dst = reinterpret_cast<uint4*>(p.base);  // [n_vec16] 16-byte vectors
     const u64 stride = (u64)gridDim.x * QMK_THREADS;
     for (u64 i = (u64)blockIdx.x * QMK_THREADS + threadIdx.x; i < p.n_vec16; i += stride) {
         const u32 l = (u32)(i / p.layer_vecs);

@@ -1,4 +1,4 @@
-// prefill_gemm.cuh: Y[T, N] = X[T, K] . W[N, K]^T on tensor cores, for the
+// prefill/gemm.cuh: Y[T, N] = X[T, K] . W[N, K]^T on tensor cores, for the
 // whole chunk, with the epilogue fused (bias, residual add, SiLU x up).
 //
 // X is bf16 in global memory (written earlier in this launch, by other CTAs:

@@ -1,4 +1,4 @@
-// matvec.cuh: one warp computes NR dot products of bf16 weight rows [K] with
+// decode/matvec.cuh: one warp computes NR dot products of bf16 weight rows [K] with
 // an f32 activation vector in shared memory. 16-byte coalesced weight loads,
 // U loads per row in flight before the first FMA, fixed-order accumulation
 // (lane-strided, then a xor-shuffle tree): bit-identical run to run.
@@ -46,18 +46,18 @@ __device__ __forceinline__ void warp_dot_rows(const char* const (&rows)[NR],
 // The k-th work unit (k = 0, 1, ...) of this warp in a weight phase of
 // `units` units; >= units once the warp is done. Units go in rounds of
 // gridDim.x * WARPS. Full rounds are CTA-major (a CTA's warps stream
-// consecutive rows; faster at 7B, NOTES v1.3); the last, partial round is
-// warp-major, so it is spread over every SM instead of filling whole CTAs
-// while the rest of the grid idles (0.5B's down/o_proj/qkv are one partial
-// round; NOTES v1.3/v1.4). Both maps are bijections of a round, so every
-// unit is done exactly once. kFlagWarpMajor / kFlagCtaMajor: one map for
-// every round (A/B).
-__device__ __forceinline__ u32 unit_at(u32 flags, u32 units, u32 k) {
+// consecutive rows); the last, partial round is warp-major, so it is spread
+// over every SM instead of filling whole CTAs while the rest of the grid
+// idles (0.5B's down / o_proj / qkv are one partial round). On the H200 at
+// 14B, warp-major in every round cost 218 us/step and CTA-major in every
+// round 270 us/step more than this mix. Both maps are bijections of a round,
+// so every unit is done exactly once, and a unit's arithmetic does not
+// depend on which warp runs it.
+__device__ __forceinline__ u32 unit_at(u32 units, u32 k) {
     const u32 warp = threadIdx.x >> 5;
     const u32 nwt = gridDim.x * QMK_WARPS;
     const bool tail = k >= units / nwt;
-    const bool wm = (flags & kFlagWarpMajor) || (tail && !(flags & kFlagCtaMajor));
-    return k * nwt + (wm ? warp * gridDim.x + blockIdx.x : blockIdx.x * QMK_WARPS + warp);
+    return k * nwt + (tail ? warp * gridDim.x + blockIdx.x : blockIdx.x * QMK_WARPS + warp);
 }
 
 // Copy n f32 values (global, written earlier in this launch: coherent loads)

@@ -1,4 +1,4 @@
-// rotary.cuh: rotate-half (neox) rotary embedding of one pair (i, i + D/2) of
+// core/rotary.cuh: rotate-half (neox) rotary embedding of one pair (i, i + D/2) of
 // a head, fused into the q/k projection epilogue:
 //     out[i]       = x[i] * cos[pos, i] - x[i + D/2] * sin[pos, i]
 //     out[i + D/2] = x[i + D/2] * cos[pos, i] + x[i] * sin[pos, i]

@@ -1,4 +1,4 @@
-// kv_append.cuh: KV cache addressing and the append of this position's K/V.
+// core/kv_cache.cuh: KV cache addressing and the append of this position's K/V.
 //
 // Cache [L, C, KV] bf16. A layer's base is computed in 64 bits (the whole
 // cache exceeds 2^32 bytes for 32B at 32k context); inside a layer offsets are

@@ -1,4 +1,4 @@
-// common.cuh: types, bf16 helpers, loads, reductions shared by every op.
+// core/common.cuh: types, bf16 helpers, loads, reductions shared by every op.
 //
 // Included after the rendered plan header (qmk_plan.h), which defines the
 // model shape constants (QMK_*) and the split plan (namespace qmk_plan).
@@ -57,8 +57,8 @@ __device__ __forceinline__ u64 ld_acquire_u64(const u64* p) {
     return v;
 }
 
-// A plain volatile load as its own instruction (a C++ `cond ? *ptr : param`
-// was once merged into one load through a parameter-space address).
+// A plain volatile load as its own instruction: the compiler may merge a C++
+// `cond ? *ptr : param` into one load through a parameter-space address.
 __device__ __forceinline__ u32 ld_volatile_u32(u64 addr) {
     u32 v;
     asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");

@@ -1,4 +1,4 @@
-// stream.cuh: the bandwidth floor. Reads a multi-GB buffer with the same
+// probes/stream.cuh: the bandwidth floor. Reads a multi-GB buffer with the same
 // 16-byte non-coherent loads the megakernel uses for weights, 8 in flight per
 // thread, and xors every word into a per-CTA checksum so no load is dead.
 #pragma once
@@ -6,7 +6,7 @@
 extern "C" __global__ void __launch_bounds__(QMK_THREADS)
     qmk_stream_read(const __grid_constant__ qmk::StreamParams p) {
     using namespace qmk;
-    const uint4* src = reinterpret_cast<const uint4*>(p.src);
+    const uint4* src = reinterpret_cast<const uint4*>(p.src);  // [n_vec16]
     const u64 stride = (u64)gridDim.x * QMK_THREADS;
     u32 acc = 0;
     u64 i = (u64)blockIdx.x * QMK_THREADS + threadIdx.x;

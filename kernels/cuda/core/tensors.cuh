@@ -1,4 +1,4 @@
-// tensors.cuh: how the kernel addresses a weight tensor through the split
+// core/tensors.cuh: how the kernel addresses a weight tensor through the split
 // plan's chunks, in the offset model's arithmetic (koff_t, 32-bit bytes).
 //
 // A stacked tensor [L, N, K] is cut along L into chunks; chunk c holds layers

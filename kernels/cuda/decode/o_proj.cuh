@@ -1,4 +1,4 @@
-// o_proj.cuh: attention output projection + residual (phase 3 of a layer):
+// decode/o_proj.cuh: attention output projection + residual (phase 3 of a layer):
 // x[r] = residual[r] + o_proj[layer, r, :] . attn. One warp per row; each row
 // of x is written by exactly one warp.
 #pragma once
@@ -9,8 +9,8 @@ __device__ __forceinline__ void o_proj(const Params& p, u32 layer, u32 token, fl
     load_vec_to_smem(reinterpret_cast<const float*>(p.attn), xs, (int)QMK_Q_DIM);
     __syncthreads();
     const LayerView<o_proj_t> w(p.o_proj, layer);
-    float* x = reinterpret_cast<float*>(p.x);
-    for (u32 k_ = 0, r; (r = unit_at(p.flags, QMK_HIDDEN, k_)) < QMK_HIDDEN; ++k_) {
+    float* x = reinterpret_cast<float*>(p.x);  // [H] f32
+    for (u32 k_ = 0, r; (r = unit_at(QMK_HIDDEN, k_)) < QMK_HIDDEN; ++k_) {
         const char* rows[1] = {w.row(r)};
         float o[1];
         warp_dot_rows<(int)QMK_Q_DIM, 1>(rows, xs, o);

@@ -1,4 +1,4 @@
-// prefill_mma.cuh: the tensor-core building blocks of the prefill kernel:
+// prefill/mma.cuh: the tensor-core building blocks of the prefill kernel:
 // bf16 mma.sync m16n8k16 with f32 accumulation (sm_80+), fragment packing.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16, .bf16), g = lane / 4, c = lane % 4:

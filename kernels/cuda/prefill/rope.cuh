@@ -1,4 +1,4 @@
-// prefill_rope.cuh: rotary embedding of the chunk's q and k, K/V written to
+// prefill/rope.cuh: rotary embedding of the chunk's q and k, K/V written to
 // the cache for every position of the chunk (phase after the qkv GEMM).
 //   qkv [T, Q + 2 KV] f32 (projection + bias) ->
 //   qb  [T, Q] bf16 rotated queries; k_cache/v_cache [L, C, KV] bf16 at
@@ -14,15 +14,15 @@ __device__ __forceinline__ void prefill_rope_kv(const PrefillParams& pp, u32 lay
     constexpr u32 D = QMK_HEAD_DIM, HALF = D / 2;
     constexpr u32 QP = QMK_Q_DIM / 2, KP = QMK_KV_DIM / 2, VP = QMK_KV_DIM / 2;
     constexpr u32 PER_ROW = QP + KP + VP;
-    const float* qkv = reinterpret_cast<const float*>(pp.qkv);
-    char* qb = reinterpret_cast<char*>(pp.qb);
-    char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);
-    char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);
+    const float* qkv = reinterpret_cast<const float*>(pp.qkv);  // [T, Q + 2 KV] f32
+    char* qb = reinterpret_cast<char*>(pp.qb);                  // [T, Q] bf16
+    char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);       // [C, KV] bf16
+    char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);       // [C, KV] bf16
     const u32 total = pp.n_tokens * PER_ROW;
     for (u32 u = blockIdx.x * QMK_THREADS + threadIdx.x; u < total; u += gridDim.x * QMK_THREADS) {
         const u32 t = u / PER_ROW, w = u % PER_ROW;
         const u32 pos = pp.start + t;
-        const float* row = qkv + (size_t)t * QMK_PF_QKV_COLS;
+        const float* row = qkv + (size_t)t * QMK_PF_QKV_COLS;  // [Q + 2 KV] f32
         if (w < QP + KP) {
             const bool is_q = w < QP;
             const u32 ww = is_q ? w : w - QP;

@@ -1,4 +1,4 @@
-// qkv_proj.cuh: input_layernorm + q/k/v projections with bias, rotary fused
+// decode/qkv_proj.cuh: input_layernorm + q/k/v projections with bias, rotary fused
 // into the epilogue, K/V appended to the cache (phase 1 of a layer).
 //
 // Work unit = one warp computing the row pair (h*D + i, h*D + i + D/2) of q,
@@ -22,12 +22,12 @@ __device__ __forceinline__ void qkv_proj(const Params& p, u32 layer, u32 token, 
     const LayerView<q_bias_t> bq(p.q_bias, layer);
     const LayerView<k_bias_t> bk(p.k_bias, layer);
     const LayerView<v_bias_t> bv(p.v_bias, layer);
-    char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);
-    char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);
-    float* q = reinterpret_cast<float*>(p.q);
+    char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);  // [C, KV] bf16
+    char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);  // [C, KV] bf16
+    float* q = reinterpret_cast<float*>(p.q);              // [Q] f32
 
     const u32 lane = threadIdx.x & 31;
-    for (u32 k_ = 0, u; (u = unit_at(p.flags, QP + 2 * KP, k_)) < QP + 2 * KP; ++k_) {
+    for (u32 k_ = 0, u; (u = unit_at(QP + 2 * KP, k_)) < QP + 2 * KP; ++k_) {
         const u32 which = u < QP ? 0u : (u < QP + KP ? 1u : 2u);
         const u32 uu = which == 0 ? u : (which == 1 ? u - QP : u - QP - KP);
         const u32 i = uu % HALF;

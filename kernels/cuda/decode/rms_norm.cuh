@@ -1,4 +1,4 @@
-// rms_norm.cuh: every CTA normalises the residual stream [H] into its own
+// decode/rms_norm.cuh: every CTA normalises the residual stream [H] into its own
 // shared memory (no grid barrier, no global write): xs[i] = v[i] / rms * w[i]
 // with rms = sqrt(mean(v^2) + eps). Fixed-order block reduction, so all CTAs
 // compute identical bits. Used for input_layernorm, post_attention_layernorm

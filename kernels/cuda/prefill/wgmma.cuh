@@ -1,6 +1,6 @@
-// prefill_wgmma.cuh: the prefill GEMM on Hopper's warpgroup tensor cores
+// prefill/wgmma.cuh: the prefill GEMM on Hopper's warpgroup tensor cores
 // (wgmma, sm_90a only; other archs and kFlagPfMmaSync use gemm_tile in
-// prefill_gemm.cuh). Same product, Y[T, N] = X[T, K] . W[N, K]^T, computed
+// prefill/gemm.cuh). Same product, Y[T, N] = X[T, K] . W[N, K]^T, computed
 // transposed: Y^T = W . X^T, so that the weight rows fill wgmma's fixed
 // 64-row M side and the tokens its variable N side (8..256). A 17-token
 // prompt then wastes nothing on padding rows of the weight stream, and a
@@ -251,51 +251,34 @@ __device__ __forceinline__ void wg_mainloop(const char* a, u32 lda_bytes, u32 t_
     cp_async_wait<0>();
 }
 
-// Hands a tile's accumulators to the epilogue functor, every valid (t, n)
-// exactly once. NB = 1: epi.col(tile, n) once per column (the q / k / v
-// bias: one load per column, not one per element after each store), then
-// epi(tile, t, n, col, v) per element. NB = 2 (the per-element gate/up form,
-// kFlagPfScalarEpi): epi(tile, t, n, v[2]).
+// Hands a tile's accumulators to a per-element epilogue functor (NB = 1),
+// every valid (t, n) exactly once: epi.col(tile, n) once per column, then
+// epi(tile, t, n, col, v) per element.
 template <int NT, int NB, class Epi>
 __device__ __forceinline__ void wg_epilogue(const float (&acc)[NT / 2], u32 t_end, const WgTile& d,
                                             Epi& epi) {
+    static_assert(NB == 1, "the per-element epilogue serves one weight tensor");
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
     const u32 q = warp & 3u, g = lane >> 2, cc = lane & 3u;
     const u32 row = wg * 64u + q * 16u + g;  // A row of acc[4j], acc[4j + 1]
-    if constexpr (NB == 1) {
 #pragma unroll
-        for (u32 h = 0; h < 2; ++h) {
-            const u32 n = d.n0 + row + 8u * h;
-            if (n >= d.n_end) continue;
-            const float cv = epi.col(d, n);
-#pragma unroll
-            for (u32 j = 0; j < (u32)NT / 8; ++j) {
-#pragma unroll
-                for (u32 e = 0; e < 2; ++e) {
-                    const u32 t = d.m0 + j * 8u + 2u * cc + e;
-                    if (t < t_end) epi(d, t, n, cv, acc[4 * j + 2 * h + e]);
-                }
-            }
-        }
-    } else {
+    for (u32 h = 0; h < 2; ++h) {
+        const u32 n = d.n0 + row + 8u * h;
+        if (n >= d.n_end) continue;
+        const float cv = epi.col(d, n);
 #pragma unroll
         for (u32 j = 0; j < (u32)NT / 8; ++j) {
 #pragma unroll
             for (u32 e = 0; e < 2; ++e) {
                 const u32 t = d.m0 + j * 8u + 2u * cc + e;
-                if (t >= t_end) continue;
-                const u32 n = wg_col<NB>(d.n0, row);
-                if (n < d.n_end) {
-                    const float v[2] = {acc[4 * j + e], acc[4 * j + 2 + e]};
-                    epi(d, t, n, v);
-                }
+                if (t < t_end) epi(d, t, n, cv, acc[4 * j + 2 * h + e]);
             }
         }
     }
 }
 
 // SiLU for the staged gate/up epilogue: fast exp and division (a few ulp;
-// the IEEE division and expf were ~25 instructions per value, 32 values per
+// the IEEE division and expf are ~25 instructions per value, 32 values per
 // thread per tile, while the tensor cores wait).
 __device__ __forceinline__ float silu_fast(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
 
@@ -304,9 +287,10 @@ __device__ __forceinline__ float silu_fast(float g) { return __fdividef(g, 1.0f 
 // wgmma reads have retired: NT tokens x 128 columns, 256 B per token,
 // 16-byte chunk c of token t at chunk c ^ (t % 16) (conflict-free: a warp's
 // writes cover 4 tokens of one chunk), then each token's 256 bytes leave as
-// 16 whole 16-byte stores. Measured in scripts/gpu/gemm_lab: one 2-byte store
-// per value (4 tokens per warp instruction) kept the tensor cores idle for
-// most of the difference between the mainloop and the phase.
+// 16 whole 16-byte stores. One 2-byte store per value (4 tokens per warp
+// instruction) kept the tensor cores idle for most of the difference between
+// the mainloop and the phase: 7B at 2,048 tokens took 62.3 ms with it and
+// with a load-add-store residual, 59.4 ms with this and red.global.add.
 template <int NT>
 __device__ __forceinline__ void wg_epilogue_gate_up(const float (&acc)[NT / 2], u32 t_end,
                                                     const WgTile& d, u32 smem, u16* hb) {
@@ -343,15 +327,12 @@ __device__ __forceinline__ void wg_epilogue_gate_up(const float (&acc)[NT / 2], 
 }
 
 struct WgGateUpOut {
-    u16* hb;          // [T, QMK_INTER] bf16
-    bool whole_tile;  // staged (default) or per element (kFlagPfScalarEpi)
+    u16* hb;  // [T, QMK_INTER] bf16 silu(gate) * up
+    static constexpr bool whole_tile = true;
     template <int NT>
     __device__ __forceinline__ void tile(const float (&acc)[NT / 2], u32 t_end, const WgTile& d,
                                          u32 smem) const {
         wg_epilogue_gate_up<NT>(acc, t_end, d, smem, hb);
-    }
-    __device__ __forceinline__ void operator()(const WgTile&, u32 t, u32 n, const float (&v)[2]) const {
-        hb[(size_t)t * QMK_INTER + n] = f32_to_bf16_rne(silu(v[0]) * v[1]);
     }
 };
 static_assert(QMK_INTER % 8 == 0, "gate/up rows leave in 16-byte chunks");
@@ -392,22 +373,23 @@ constexpr u32 kWgMinSplitSteps = 16;
 //  - else every full wave, and a last wave of fewer than G / 2 tiles runs
 //    stream-K (7B q/k/v at 512 tokens: 144 tiles = 1 wave + 12);
 //  - a last wave of G / 2 tiles or more stays data-parallel.
-// Measured on the H200 (NOTES, prefill v3.1; the bound is inferred from
-// these experiments): the GEMM phases behave as bound by L2 -> SM
-// bandwidth, so a short last wave runs faster per tile and costs less than
-// its tile count suggests, and every split adds partial traffic.
-// Spreading the last two waves of 7B down and o_proj over the grid
-// (stream-K ranges start at different K steps, so CTAs sharing a tile's
-// rows no longer read them together) lost 5.3-6.6 ms; cutting a last wave of
-// 92 tiles into K-aligned quarters (3 rounds instead of one wave) gained
-// nothing; the v3 tail split of every phase lost ~1 ms.
-// kFlagPfNoStreamK: all data-parallel; kFlagPfSkSmallOnly: only the first
-// case splits (the v3 policy).
+// Measured on the H200 (the bound is inferred from these experiments): the
+// GEMM phases behave as bound by L2 -> SM bandwidth, so a short last wave
+// runs faster per tile and costs less than its tile count suggests, and
+// every split adds partial traffic. Spreading the last two waves of 7B down
+// and o_proj over the grid (stream-K ranges start at different K steps, so
+// CTAs sharing a tile's rows no longer read them together) lost 5.3-6.6 ms;
+// cutting a last wave of 92 tiles into K-aligned quarters (3 rounds instead
+// of one wave) gained nothing; splitting the tail of every phase lost ~1 ms;
+// keeping short last waves data-parallel (only the first case split) was
+// 0.3 ms slower at 7B 512 tokens and 0.7 ms at 2,048
+// (docs/decisions/kernel-flags-removed.md).
+// kFlagPfNoStreamK: all data-parallel (the stream-K test's oracle).
 __device__ __forceinline__ u32 wg_dp_tiles(u32 tiles, u32 G, u32 flags) {
     if (flags & kFlagPfNoStreamK) return tiles;
     if (2 * tiles < G) return 0;
     const u32 tail = tiles % G;
-    if ((flags & kFlagPfSkSmallOnly) || 2 * tail >= G) return tiles;
+    if (2 * tail >= G) return tiles;
     return tiles - tail;
 }
 
@@ -468,7 +450,7 @@ __device__ __forceinline__ void wg_phase(const PrefillParams& pp, WgStreamK& sk,
         wg_mainloop<NT, NB, K>(a, lda_bytes, t_end, d.m0, w, d.n0, d.n_end, smem, kb, ke, acc);
         if (kb != 0) {
             // The tail of a tile: publish the partial for its owner.
-            float* mine = sk.part + (size_t)blockIdx.x * TILE;
+            float* mine = sk.part + (size_t)blockIdx.x * TILE;  // [R, 512] f32
 #pragma unroll
             for (int i = 0; i < R; ++i) mine[(u32)i * QMK_THREADS + tid] = acc[i];
             __syncthreads();
@@ -485,14 +467,14 @@ __device__ __forceinline__ void wg_phase(const PrefillParams& pp, WgStreamK& sk,
                 if (range_start(b + 1) == bs) continue;
                 if (tid == 0) wg_wait_flag(pp.base, &sk.flags[b], epoch, phase, layer);
                 __syncthreads();
-                const float* theirs = sk.part + (size_t)b * TILE;
+                const float* theirs = sk.part + (size_t)b * TILE;  // [R, 512] f32
 #pragma unroll
                 for (int i = 0; i < R; ++i) acc[i] += __ldcg(theirs + (u32)i * QMK_THREADS + tid);
             }
         }
         // Whole-tile epilogues (gate/up staged stores, q/k/v with the
-        // rotary fused) where the functor has one and it is on.
-        if (epi.whole_tile)
+        // rotary fused), else per element (the residual adds).
+        if constexpr (Epi::whole_tile)
             epi.template tile<NT>(acc, t_end, d, smem);
         else
             wg_epilogue<NT, NB>(acc, t_end, d, epi);

@@ -1,4 +1,4 @@
-// mlp.cuh: the SiLU MLP, two phases of a layer.
+// decode/mlp.cuh: the SiLU MLP, two phases of a layer.
 //   gate_up (phase 4): post_attention_layernorm, then h[r] = silu(gate[r]) * up[r]
 //                      (one warp computes both rows r: shared activation reads)
 //   down    (phase 5): x[r] += down[layer, r, :] . h
@@ -10,13 +10,13 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 __device__ __forceinline__ void mlp_gate_up(const Params& p, u32 layer, float* xs, float* red) {
     const LayerView<post_attention_layernorm_t> ln(p.post_attention_layernorm, layer);
-    const float* x = reinterpret_cast<const float*>(p.x);
+    const float* x = reinterpret_cast<const float*>(p.x);  // [H] f32
     rms_norm([&](u32 i) { return x[i]; }, [&](u32 i) { return ln.elem(i); }, p.rms_norm_eps, xs,
              red);
     const LayerView<gate_proj_t> wg(p.gate_proj, layer);
     const LayerView<up_proj_t> wu(p.up_proj, layer);
-    float* h = reinterpret_cast<float*>(p.mlp_h);
-    for (u32 k_ = 0, r; (r = unit_at(p.flags, QMK_INTER, k_)) < QMK_INTER; ++k_) {
+    float* h = reinterpret_cast<float*>(p.mlp_h);  // [I] f32
+    for (u32 k_ = 0, r; (r = unit_at(QMK_INTER, k_)) < QMK_INTER; ++k_) {
         const char* rows[2] = {wg.row(r), wu.row(r)};
         float o[2];
         warp_dot_rows<(int)QMK_HIDDEN, 2>(rows, xs, o);
@@ -28,8 +28,8 @@ __device__ __forceinline__ void mlp_down(const Params& p, u32 layer, float* xs) 
     load_vec_to_smem(reinterpret_cast<const float*>(p.mlp_h), xs, (int)QMK_INTER);
     __syncthreads();
     const LayerView<down_proj_t> w(p.down_proj, layer);
-    float* x = reinterpret_cast<float*>(p.x);
-    for (u32 k_ = 0, r; (r = unit_at(p.flags, QMK_HIDDEN, k_)) < QMK_HIDDEN; ++k_) {
+    float* x = reinterpret_cast<float*>(p.x);  // [H] f32
+    for (u32 k_ = 0, r; (r = unit_at(QMK_HIDDEN, k_)) < QMK_HIDDEN; ++k_) {
         const char* rows[1] = {w.row(r)};
         float o[1];
         warp_dot_rows<(int)QMK_INTER, 1>(rows, xs, o);

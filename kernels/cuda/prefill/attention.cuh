@@ -1,32 +1,30 @@
-// prefill_attention.cuh: causal grouped-query attention of the chunk's
+// prefill/attention.cuh: causal grouped-query attention of the chunk's
 // queries over every cached position (earlier chunks and this one),
 // flash-attention style on tensor cores: no T x T matrix in memory.
 //
-// v3 (K/V tiles in shared memory, shared by a KV group's query heads).
+// K/V tiles sit in shared memory, shared by a KV group's query heads.
 // CTA work item = (kv head, QB consecutive 16-query blocks; 1 when there
 // would be fewer items than CTAs). Its warps are the units (query block,
-// query head of the group; and half of D under kFlagPfAttnSplitD):
-// GROUP x SPLIT x QB <= 16 warps (7B: 7 heads x 2 blocks = 14 warps, or
-// 7 heads x 2 halves; 0.5B: 7 heads x 2 blocks). Every unit needs the same keys, so the CTA streams
-// them once: tiles of kAttnKeys keys of K and V, 16-byte cp.async.cg into
-// two shared-memory stages (the next tile loads while this one is used),
-// rows padded by 16 bytes (the 8 row addresses of an ldmatrix hit 8
-// distinct bank groups). Keys past the item's last query read as zero (a
-// never-written cache row could hold NaN bits; P is 0 there anyway).
+// query head of the group; and half of D where a unit holds half a head,
+// see prefill_attention): GROUP x SPLIT x QB <= 16 warps (7B: 7 heads x 2
+// blocks = 14 warps; 0.5B: 7 heads x 2 blocks). Every unit needs the same
+// keys, so the CTA streams them once: tiles of kAttnKeys keys of K and V,
+// 16-byte cp.async.cg into two shared-memory stages (the next tile loads
+// while this one is used), rows padded by 16 bytes (the 8 row addresses of
+// an ldmatrix hit 8 distinct bank groups). Keys past the item's last query
+// read as zero (a never-written cache row could hold NaN bits; P is 0 there
+// anyway).
 //
-// Per warp and 32-key step (v3b; v3a stepped 16 keys, twice the softmax
-// bookkeeping per key): S = Q K^T (mma m16n8k16, K fragments by ldmatrix.x4
-// from the K rows), causal mask (only on steps that reach the diagonal),
-// online softmax in base 2 in registers
-// (row max / sum over the 4 lanes of a quad), then O += P V with P
-// re-packed from the S accumulators as an A fragment (the FA2 register
-// trick) and V fragments by ldmatrix.x4.trans. Q fragments stay in
-// registers up to D = 64. With D = 128 (v3.1) a unit is a whole head: its Q
-// block sits in shared memory and each k-step's fragment is read there by
-// ldmatrix (32 registers of Q would not fit next to the 64 of O); 7B: 7
-// heads x 2 query blocks = 14 warps per CTA. (v3 split D in halves over two
-// warps, both computing S: 1.5x the MMAs and twice the softmax; kept under
-// kFlagPfAttnSplitD for A/B.)
+// Per warp and 32-key step (a 16-key step did twice the softmax
+// bookkeeping per key): S = Q K^T (mma m16n8k16, K fragments by
+// ldmatrix.x4 from the K rows), causal mask (only on steps that reach the
+// diagonal), online softmax in base 2 in registers (row max / sum over the
+// 4 lanes of a quad), then O += P V with P re-packed from the S
+// accumulators as an A fragment (the FA2 register trick) and V fragments by
+// ldmatrix.x4.trans. Q fragments stay in registers up to D = 64. With
+// D = 128 a whole-head unit keeps its Q block in shared memory and reads
+// each k-step's fragment there by ldmatrix (32 registers of Q would not fit
+// next to the 64 of O).
 // Output attn bf16 [T, Q] (in xa, pitch QMK_PF_XA_COLS), the A operand of
 // o_proj. Items in descending query order: the longest start first.
 #pragma once
@@ -39,7 +37,7 @@ static_assert(kAttnKeys % kAttnStep == 0 && kAttnStep % 16 == 0, "whole steps pe
 constexpr u32 kAttnPitch = (u32)QMK_HEAD_DIM * 2u + 16u;      // bytes per smem row
 constexpr u32 kAttnStage = 2u * kAttnKeys * kAttnPitch;      // K + V tile, bytes
 constexpr u32 kAttnSmemBytes = 2u * kAttnStage;               // two stages
-// Dynamic shared memory of the prefill kernel (prefill.cuh): the wgmma
+// Dynamic shared memory of the prefill kernel (prefill/chunk.cuh): the wgmma
 // stages where that path is compiled in, else the mma.sync ones.
 constexpr u32 kPfSmemAvail =
     (QMK_WGMMA && kWgShapesOk && wg_smem_bytes() > gemm_smem_bytes()) ? wg_smem_bytes() : gemm_smem_bytes();
@@ -78,10 +76,10 @@ __device__ __forceinline__ void prefill_attention_t(const PrefillParams& pp, u32
     // rounded to bf16 for the P V product anyway).
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
     constexpr u32 NTS = kAttnStep / 8;  // 8-key n-tiles of S per step
-    const char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);
-    const char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);
-    const char* qb = reinterpret_cast<const char*>(pp.qb);
-    char* out = reinterpret_cast<char*>(pp.xa);
+    const char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);  // [C, KV] bf16
+    const char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);  // [C, KV] bf16
+    const char* qb = reinterpret_cast<const char*>(pp.qb);        // [T, Q] bf16
+    char* out = reinterpret_cast<char*>(pp.xa);  // [T, QMK_PF_XA_COLS] bf16, first Q columns
     const u32 tid = threadIdx.x, warp = tid >> 5;
     const u32 lane = tid & 31, g = lane >> 2, c = lane & 3;
     const u32 n = pp.n_tokens, start = pp.start;
@@ -101,7 +99,7 @@ __device__ __forceinline__ void prefill_attention_t(const PrefillParams& pp, u32
     // Items go heaviest first (grp counts down from the last query block),
     // dealt boustrophedon: round r gives CTA b item r G + b (r even) or
     // r G + G - 1 - b (r odd), so every CTA's total is near the mean. (Dealt
-    // b, b + G, ..., 7B at 2,048 tokens, 256 items on 132 CTAs, gave CTA 0
+    // b, b + G, ..., 7B at 2,048 tokens, 256 items on 132 CTAs, give CTA 0
     // the two heaviest of its rounds: 1.5x the mean.)
     for (u32 r = 0; r * gridDim.x < items; ++r) {
         const u32 it = r * gridDim.x + ((r & 1u) ? gridDim.x - 1u - blockIdx.x : blockIdx.x);
@@ -302,19 +300,20 @@ __device__ __forceinline__ void prefill_attention_t(const PrefillParams& pp, u32
     }
 }
 
-// 7B-like heads (D = 128): whole-head units with Q in shared memory where
-// the stages fit (sm_90a's wgmma smem), else (and under kFlagPfAttnSplitD)
-// two half-D units per head. D <= 64: whole heads, Q in registers.
+// Head_dim 128 (7B-like): whole-head units with Q in shared memory where
+// the stages fit (sm_90a, whose wgmma stages are large enough), else (sm_80
+// / sm_89) two half-D units per head and query block, Q in registers. A
+// half-D unit computes the whole S for its half of O: 1.5x the MMAs and
+// twice the softmax of a whole-head unit, which took attention at 7B, 2,048
+// tokens from 5.0 to 3.5 ms on sm_90a. Head_dim <= 64: whole heads, Q in
+// registers.
 __device__ __forceinline__ void prefill_attention(const PrefillParams& pp, u32 layer, u16* smem) {
     if constexpr (QMK_HEAD_DIM <= 64) {
         prefill_attention_t<1, false>(pp, layer, smem);
+    } else if constexpr (attn_smem_bytes(true) <= kPfSmemAvail &&
+                         QMK_HEADS / QMK_KV_HEADS <= QMK_WARPS) {
+        prefill_attention_t<1, true>(pp, layer, smem);
     } else {
-        if constexpr (attn_smem_bytes(true) <= kPfSmemAvail && QMK_HEADS / QMK_KV_HEADS <= QMK_WARPS) {
-            if (!(pp.base.flags & kFlagPfAttnSplitD)) {
-                prefill_attention_t<1, true>(pp, layer, smem);
-                return;
-            }
-        }
         prefill_attention_t<2, false>(pp, layer, smem);
     }
 }

@@ -1,26 +1,27 @@
-// attention.cuh: grouped-query attention of one position over cached
-// positions 0..=pos (phase 2 of a layer).
+// decode/attention.cuh: grouped-query attention of one position over cached
+// positions 0..=pos (phase 2 of a layer). Both paths ship: the host's
+// default picks by context length.
 //
-// Two paths (NOTES.md, v1.3):
-//
-// attention_split (default from kAttnSplitMinContext cached positions on;
+// attention_split (from kAttnSplitMinContext cached positions on;
 // kFlagAttnForceSplit: always): flash-decoding. Work item = (kv head g,
 // sequence block s); the item computes all GROUP query heads of g, so each
 // K/V row is read from memory once per step, not GROUP times. The number of
-// blocks S follows pos at run time (attn_splits). Inside an item (v1.3b),
-// warps take tiles of 16 positions: scores with two lanes per position,
-// one softmax step per tile, P.V with lane = dims (details at the function).
+// blocks S follows pos at run time (attn_splits). Inside an item, warps
+// take tiles of 16 positions: scores with two lanes per position, one
+// softmax step per tile, P.V with lane = dims (details at the function).
 // S == 1: the item writes attn. S > 1: it writes its partial (m, l, acc[D])
 // per head to p.attn_part; the last of the S items of g to finish (a ticket
 // counter per (layer, g), zeroed by CTA 0 at kernel start) combines the S
 // partials in a fixed order: bit-identical run to run whichever CTA
 // combines.
 //
-// attention (short contexts, or kFlagAttnNoSplit: the v1 path): one CTA per head (heads
-// strided over the grid). Inside, warp w takes positions w, w + WARPS, ...
-// with an online softmax (running max m, sum l, accumulator acc[D]); the
-// warps' partials are merged in fixed order. Lane j holds dims
-// [j*DPL, (j+1)*DPL) of the head.
+// attention (below kAttnSplitMinContext, where it is faster: the split's
+// tickets and combine cost more than its parallelism gains;
+// kFlagAttnNoSplit: always): one CTA per head (heads strided over the
+// grid). Inside, warp w takes positions w, w + WARPS, ... with an online
+// softmax (running max m, sum l, accumulator acc[D]); the warps' partials
+// are merged in fixed order. Lane j holds dims [j*DPL, (j+1)*DPL) of the
+// head.
 #pragma once
 
 namespace qmk {
@@ -47,10 +48,10 @@ __device__ __forceinline__ void attention(const Params& p, u32 layer, u32 pos, f
     constexpr u32 GROUP = QMK_HEADS / QMK_KV_HEADS;
     static_assert(QMK_HEADS % QMK_KV_HEADS == 0, "heads must divide into kv groups");
     const float scale = 1.0f / sqrtf((float)D);
-    const char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);
-    const char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);
-    const float* q = reinterpret_cast<const float*>(p.q);
-    float* attn = reinterpret_cast<float*>(p.attn);
+    const char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);  // [C, KV] bf16
+    const char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);  // [C, KV] bf16
+    const float* q = reinterpret_cast<const float*>(p.q);        // [Q] f32
+    float* attn = reinterpret_cast<float*>(p.attn);              // [Q] f32
     float* wm = smem;                   // [WARPS] running max per warp
     float* wl = smem + QMK_WARPS;       // [WARPS] running sum per warp
     float* wacc = smem + 2 * QMK_WARPS; // [WARPS, D] accumulators
@@ -135,7 +136,7 @@ constexpr u32 kAttnGroup = QMK_HEADS / QMK_KV_HEADS;
 constexpr u32 kAttnSplitMinPositions = 128u;
 // Ticket words [L, KV heads], padded to 16 bytes.
 constexpr u32 kAttnTicketWords = (QMK_LAYERS * QMK_KV_HEADS + 3u) / 4u * 4u;
-// Split path tiles (v1.3b): a warp takes kAttnTile positions at a time, two
+// Split path tiles: a warp takes kAttnTile positions at a time, two
 // lanes per position for the scores (each half of the head's dims).
 // Rendered from Rust (header::ATTN_TILE), which sizes the shared memory.
 constexpr u32 kAttnTile = (u32)QMK_ATTN_TILE;
@@ -165,7 +166,7 @@ __device__ __forceinline__ u32 attn_splits(u32 pos) {
 // CTA 0 at kernel start; the grid barrier after layer 0's qkv orders it
 // before every ticket of this step.
 __device__ __forceinline__ void attention_zero_tickets(const Params& p) {
-    u32* t = reinterpret_cast<u32*>(p.attn_part);
+    u32* t = reinterpret_cast<u32*>(p.attn_part);  // [kAttnTicketWords] u32
     for (u32 i = threadIdx.x; i < kAttnTicketWords; i += QMK_THREADS) t[i] = 0u;
     __threadfence();
 }
@@ -188,7 +189,7 @@ __device__ __forceinline__ void attn_merge_step(float& M, float& den, float4& nu
     }
 }
 
-// Split attention (v1.3b, NOTES.md). Work item = (kv head g, sequence block
+// Split attention. Work item = (kv head g, sequence block
 // s), one per CTA; warp w takes the tiles of kAttnTile positions starting at
 // b0 + TILE * (w + WARPS * i). Per tile:
 //   scores: lane = (position lane % TILE, half lane / TILE of the dims); the
@@ -227,11 +228,11 @@ __device__ __forceinline__ void attention_split(const Params& p, u32 layer, u32 
     constexpr u32 STRIDE = kAttnTile * QMK_WARPS;  // positions between a warp's tiles
     const u32 n = pos + 1u, S = attn_splits(pos), SM = attn_split_max();
     const u32 B = (n + S - 1u) / S;  // positions per block
-    const char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);
-    const char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);
-    const float* q = reinterpret_cast<const float*>(p.q);
-    float* attn = reinterpret_cast<float*>(p.attn);
-    u32* tickets = reinterpret_cast<u32*>(p.attn_part);
+    const char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);  // [C, KV] bf16
+    const char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);  // [C, KV] bf16
+    const float* q = reinterpret_cast<const float*>(p.q);        // [Q] f32
+    float* attn = reinterpret_cast<float*>(p.attn);              // [Q] f32
+    u32* tickets = reinterpret_cast<u32*>(p.attn_part);          // [L, KVH] u32
     // acc first: 16-byte aligned for float4 whatever HEADS * SM is.
     float* part_acc = reinterpret_cast<float*>(p.attn_part) + kAttnTicketWords;  // [HEADS, SM, D]
     float* part_ml = part_acc + (size_t)QMK_HEADS * SM * D;                       // [HEADS, SM, 2]
@@ -244,7 +245,7 @@ __device__ __forceinline__ void attention_split(const Params& p, u32 layer, u32 
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 tl = lane % (u32)TILE, half = lane / (u32)TILE;
     const float qscale = 1.4426950408889634f / sqrtf((float)D);
-    float* pw = pb + warp * (u32)(TILE * 8);
+    float* pw = pb + warp * (u32)(TILE * 8);  // [TILE, 8] this warp's probabilities
 
     for (u32 item = blockIdx.x; item < QMK_KV_HEADS * S; item += gridDim.x) {
         const u32 g = item / S, s = item % S;
@@ -422,8 +423,8 @@ __device__ __forceinline__ void attention_split(const Params& p, u32 layer, u32 
         if (threadIdx.x < NQ * SG) {
             const u32 qd = threadIdx.x % NQ, sg = threadIdx.x / NQ;
             const u32 h = qd / (D / 4), d = qd % (D / 4) * 4u, hd = g * G + h;
-            const float* pa = part_acc + (size_t)hd * SM * D + d;
-            const float* pm = part_ml + (size_t)hd * SM * 2u;
+            const float* pa = part_acc + (size_t)hd * SM * D + d;  // [SM, D] f32, from dim d
+            const float* pm = part_ml + (size_t)hd * SM * 2u;      // [SM, 2] f32
             float M = -QMK_INF, den = 0.0f;
             float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             // Unrolled: the loads of 8 blocks are in flight together.

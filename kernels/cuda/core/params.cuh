@@ -1,4 +1,4 @@
-// params.cuh: the C++ twin of qmk_kernels::params (Rust, #[repr(C)]).
+// core/params.cuh: the C++ twin of qmk_kernels::params (Rust, #[repr(C)]).
 //
 // The rendered header (qmk_params_check.h, generated from the Rust structs with
 // std::mem::offset_of!) static_asserts the size and every field offset of
@@ -10,7 +10,7 @@
 
 namespace qmk {
 
-// Megakernel parameters, passed by value (__grid_constant__).
+// Decode-step parameters, passed by value (read with ld.param).
 // Pointers are device addresses. Shapes: L layers, H hidden, Q = heads*D,
 // KV = kv_heads*D, I intermediate, V vocab, C = KV capacity (positions).
 struct Params {
@@ -63,60 +63,42 @@ constexpr u32 kAttnMaxSplits = 64u;
 // Cached positions (pos + 1) from which the split attention is the default.
 constexpr u32 kAttnSplitMinContext = 512u;
 
-// Read the token from argmax_out (the previous step's pick) instead of
-// Params::token: back-to-back greedy decoding with no host round trip.
+// Flag bits of Params::flags. Only what the product or its tests use; each
+// test hook or oracle leaves the default path's code and results unchanged
+// when its bit is clear. Bits in use: 0, 1, 3, 5, 6, 8-13 (the skip mask),
+// 18, 19.
+//
+// Product: read the token from argmax_out (the previous step's pick)
+// instead of Params::token: back-to-back greedy decoding with no host
+// round trip.
 constexpr u32 kFlagTokenFromArgmax = 1u;
-// Test hook: the last CTA skips its arrival at the first barrier, a real
+// Fault test: the last CTA skips its arrival at the first barrier, a real
 // hang that every other spin-wait must turn into an error.
 constexpr u32 kFlagDebugHang = 2u;
-// Measurement only: the old fenced barrier (__threadfence + atomicAdd, poll,
-// __threadfence) instead of the default red.release.gpu arrive +
-// ld.acquire.gpu poll.
-constexpr u32 kFlagBarrierFenced = 4u;
-// Test hook: thread 0 of CTA 0 reads one word past the logits buffer
+// Fault test: thread 0 of CTA 0 reads one word past the logits buffer
 // (memcheck with --padding reports it), then far out of bounds (a weight
 // chunk + 2^40: CUDA_ERROR_ILLEGAL_ADDRESS, sticky).
 constexpr u32 kFlagDebugOob = 8u;
-// The weight phases' warp-to-row map (issue 8, NOTES "v1.3", "v1.4").
-// Default: full rounds CTA-major (r = blockIdx.x * WARPS + warp), the last,
-// partial round warp-major (r = warp * gridDim.x + blockIdx.x): see
-// unit_at() in matvec.cuh. kFlagWarpMajor: every round warp-major;
-// kFlagCtaMajor: every round CTA-major (the v1.2 map). Same rows, same
-// arithmetic per row: results are bit-identical whichever map runs.
-constexpr u32 kFlagWarpMajor = 16u;
-constexpr u32 kFlagCtaMajor = 1u << 17;
-// Attention along the sequence (flash-decoding): work item = (kv head,
-// sequence block), all query heads of the group per item, partials
-// (m, l, acc[D]) in p.attn_part, combined in fixed order in o_proj's
-// prologue. Off with this bit (the v1 one-CTA-per-head path, for A/B).
+// Oracle: the one-CTA-per-head attention at every context length. By
+// default the split (flash-decoding) attention runs from
+// kAttnSplitMinContext cached positions on and this path below it; the
+// long-context tests compare the two paths on the same cache.
 constexpr u32 kFlagAttnNoSplit = 32u;
-// A/B: the split attention at every context length (by default it runs from
-// kAttnSplitMinContext cached positions on; below, the v1 path).
+// Oracle: the split attention at every context length (kFlagAttnNoSplit
+// wins over it), so short contexts test the split path too.
 constexpr u32 kFlagAttnForceSplit = 64u;
-// A/B (prefill kernel, sm_90a): the mma.sync GEMM of prefill_gemm.cuh instead
-// of the wgmma one (prefill_wgmma.cuh). No effect elsewhere.
+// Oracle (prefill kernel, sm_90a): the mma.sync GEMM (prefill/gemm.cuh,
+// the path of sm_80 / sm_89) instead of the wgmma one, with the rope phase
+// it needs; the only way to run that path on a Hopper GPU. No effect on
+// other archs or on the decode kernel.
 constexpr u32 kFlagPfMmaSync = 1u << 18;
-// A/B (prefill kernel, wgmma GEMM): every tile data-parallel, no stream-K
-// split of the last wave.
+// Oracle (prefill kernel, wgmma GEMM): every tile data-parallel, no
+// stream-K split; the stream-K test compares against it.
 constexpr u32 kFlagPfNoStreamK = 1u << 19;
-// A/B (prefill kernel, wgmma GEMM): stream-K only for phases of fewer tiles
-// than half the grid (the v3 policy).
-constexpr u32 kFlagPfSkSmallOnly = 1u << 20;
-// A/B (prefill attention, head_dim 128): two half-D warps per head and
-// query block (the v3 attention) instead of one with Q in shared memory.
-constexpr u32 kFlagPfAttnSplitD = 1u << 21;
-// A/B (prefill kernel, wgmma GEMM): the per-element epilogues (gate/up: one
-// 2-byte store per value; o_proj / down: load, add, store per element)
-// instead of gate/up staged through shared memory into 16-byte stores and
-// the residual added by red.global.add.
-constexpr u32 kFlagPfScalarEpi = 1u << 22;
-// A/B (prefill kernel, wgmma GEMM): the rotary embedding and K/V cache write
-// as their own phase after the q/k/v GEMM (q/k/v through an f32 scratch)
-// instead of in the q/k/v tile epilogue.
-constexpr u32 kFlagPfRopePhase = 1u << 23;
-// Profiling: bits kSkipShift.. skip phases (qkv, attention, o_proj, gate_up,
-// down, lm_head) while keeping every barrier; time(full) - time(skip X)
-// is what X costs. Results are garbage in these runs.
+// Profiling (bench --profile): bits kSkipShift + 0..5 skip phases (qkv,
+// attention, o_proj, gate_up, down, lm_head) while keeping every barrier;
+// time(full) - time(skip X) is what X costs. Results are garbage in these
+// runs.
 constexpr u32 kSkipShift = 8u;
 
 // Grid-barrier state, device memory; the host zeroes it on reset and after any
@@ -145,7 +127,9 @@ constexpr u32 kErrNone = 0, kErrBarrierTimeout = 1, kErrAborted = 2, kErrBadToke
               kErrBadPos = 4;
 constexpr u32 kPhaseStart = 0, kPhaseQkv = 1, kPhaseAttention = 2, kPhaseOProj = 3,
               kPhaseGateUp = 4, kPhaseDown = 5, kPhaseLmHead = 6, kPhaseArgmax = 7;
-// Phases of the prefill kernel (qmk_prefill_chunk).
+// Phases of the prefill kernel (qmk_prefill_chunk). kPhasePfRope is the
+// mma.sync path's rope phase; on the wgmma path its work is in the q/k/v
+// epilogue and only its barrier remains.
 constexpr u32 kPhasePfNorm = 8, kPhasePfQkv = 9, kPhasePfRope = 10, kPhasePfAttention = 11,
               kPhasePfOProj = 12, kPhasePfNorm2 = 13, kPhasePfGateUp = 14, kPhasePfDown = 15;
 
@@ -187,16 +171,17 @@ struct ProbeParams {
 
 // Fills the probe tensor: every element of layer l holds bf16(l + 1).
 struct ProbeFillParams {
-    u64 base;        // whole tensor, 64-bit addressing (not under test)
+    u64 base;        // [layers, rows, cols] bf16, the whole tensor; 64-bit
+                     // addressing (the fill is not under test)
     u64 n_vec16;     // 16-byte vectors in the tensor
     u64 layer_vecs;  // 16-byte vectors per layer
 };
 
 // Streaming read (bandwidth floor): xor of every 32-bit word, per CTA.
 struct StreamParams {
-    u64 src;
+    u64 src;      // [n_vec16] 16-byte vectors, any contents
     u64 n_vec16;
-    u64 out;  // [grid] u32
+    u64 out;      // [grid] u32 per-CTA xor
 };
 
 }  // namespace qmk

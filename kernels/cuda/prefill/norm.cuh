@@ -1,4 +1,4 @@
-// prefill_norm.cuh: RMSNorm over the rows of the chunk, one warp per row:
+// prefill/norm.cuh: RMSNorm over the rows of the chunk, one warp per row:
 //     xa[t, i] = bf16(v[t, i] / rms(v[t]) * w[i]),  rms = sqrt(mean(v^2) + eps)
 // Layer 0 reads the residual from the embedding table (and writes it into
 // act, the chunk's f32 residual stream [T, H]); later layers read act.
@@ -6,8 +6,8 @@
 // Lane l owns the float4 groups l, l + 32, ... of the row (H % 128 == 0 for
 // every Qwen2.5 shape; others take the scalar loop). The loads of a batch of
 // 8 groups are issued before their first use: a warp has ~8 x 512 B in
-// flight instead of one 128-byte load per round trip (the scalar version
-// was latency-bound: ~100 us a layer at 7B, whatever T).
+// flight instead of one 128-byte load per round trip (one scalar load per
+// round trip is latency-bound: ~100 us a layer at 7B, whatever T).
 #pragma once
 
 namespace qmk {
@@ -16,13 +16,13 @@ template <class W>
 __device__ __forceinline__ void prefill_rms_norm(const PrefillParams& pp, bool from_embedding,
                                                  W w) {
     const Params& p = pp.base;
-    float* act = reinterpret_cast<float*>(pp.act);
-    char* xa = reinterpret_cast<char*>(pp.xa);
-    const u32* tokens = reinterpret_cast<const u32*>(pp.tokens);
+    float* act = reinterpret_cast<float*>(pp.act);                // [T, H] f32
+    char* xa = reinterpret_cast<char*>(pp.xa);                    // [T, QMK_PF_XA_COLS] bf16
+    const u32* tokens = reinterpret_cast<const u32*>(pp.tokens);  // [n] u32
     const u32 lane = threadIdx.x & 31;
     const u32 nwt = gridDim.x * QMK_WARPS;
     for (u32 t = blockIdx.x * QMK_WARPS + (threadIdx.x >> 5); t < pp.n_tokens; t += nwt) {
-        float* row = act + (size_t)t * QMK_HIDDEN;
+        float* row = act + (size_t)t * QMK_HIDDEN;  // [H] f32
         const char* emb = from_embedding ? table_row(p.embed_tokens[0], tokens[t]) : nullptr;
         char* out = xa + (size_t)t * (QMK_PF_XA_COLS * 2u);
         float ss = 0.0f;

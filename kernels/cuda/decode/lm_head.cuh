@@ -1,16 +1,17 @@
-// lm_head.cuh: final norm + LM head + the per-CTA half of the argmax.
+// decode/lm_head.cuh: final norm + LM head + the per-CTA half of the argmax.
 // logits[r] = lm_head[r, :] . final_norm(x); each CTA writes its best
-// (value, index) to partial_val/partial_idx; argmax.cuh reduces those.
+// (value, index) to partial_val/partial_idx; decode/argmax.cuh reduces
+// those. The prefill kernel ends with the same two.
 #pragma once
 
 namespace qmk {
 
 __device__ __forceinline__ void lm_head(const Params& p, float* xs, float* red) {
-    const float* x = reinterpret_cast<const float*>(p.x);
-    const char* nw = reinterpret_cast<const char*>(p.norm[0]);
+    const float* x = reinterpret_cast<const float*>(p.x);       // [H] f32
+    const char* nw = reinterpret_cast<const char*>(p.norm[0]);  // [H] bf16
     rms_norm([&](u32 i) { return x[i]; }, [&](u32 i) { return ld_bf16(nw + (koff_t)i * 2u); },
              p.rms_norm_eps, xs, red);
-    float* logits = reinterpret_cast<float*>(p.logits);
+    float* logits = reinterpret_cast<float*>(p.logits);  // [V] f32
     const u32 nwt = gridDim.x * QMK_WARPS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float best = -QMK_INF;

@@ -1,4 +1,4 @@
-// argmax.cuh: CTA 0 reduces the per-CTA (value, index) partials in a fixed
+// decode/argmax.cuh: CTA 0 reduces the per-CTA (value, index) partials in a fixed
 // order (lane-strided, then a shuffle tree with the same tie rule) and writes
 // the greedy pick to device memory and to the host-visible status block.
 #pragma once
@@ -9,8 +9,8 @@ namespace qmk {
 __device__ __forceinline__ u32 argmax(const Params& p) {
     u32 result = 0xffffffffu;
     if (threadIdx.x < 32) {
-        const float* pv = reinterpret_cast<const float*>(p.partial_val);
-        const u32* pi = reinterpret_cast<const u32*>(p.partial_idx);
+        const float* pv = reinterpret_cast<const float*>(p.partial_val);  // [grid] f32
+        const u32* pi = reinterpret_cast<const u32*>(p.partial_idx);      // [grid] u32
         float bv = -QMK_INF;
         u32 bi = 0xffffffffu;
         for (u32 c = threadIdx.x; c < gridDim.x; c += 32) {

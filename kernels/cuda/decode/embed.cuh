@@ -1,4 +1,4 @@
-// embed.cuh: the embedding row of the input token, [H] bf16 -> f32.
+// decode/embed.cuh: the embedding row of the input token, [H] bf16 -> f32.
 // Fused into its consumers: layer 0 reads the residual from this row instead
 // of from Params::x (saves one grid barrier per step).
 #pragma once

@@ -1,4 +1,4 @@
-// prefill.cuh: qmk_prefill_chunk, one cooperative launch per prompt chunk:
+// prefill/chunk.cuh: qmk_prefill_chunk, one cooperative launch per prompt chunk:
 // positions start .. start + n of tokens[0..n), every layer, the KV cache
 // written for every position, and for the LAST position the final norm,
 // the LM head, logits and the greedy pick (the decode kernel's lm_head and
@@ -10,9 +10,23 @@
 //   norm1 (layer 0: + embedding) -> qkv GEMM -> rotary + KV write ->
 //   attention -> o_proj GEMM + residual -> norm2 -> gate/up GEMM + SiLU ->
 //   down GEMM + residual
-// Barriers per chunk: 8 L + 1 (after the LM head). Skip bits (kSkipShift +
-// 0..5: qkv, attention, o_proj, gate_up, down, lm_head) drop phases for
-// profiling, as in the decode kernel.
+// On the wgmma path (sm_90a) the rotary + KV write runs in the qkv GEMM's
+// epilogue and its phase is empty; its barrier stays, so every path has
+// 8 L + 1 barriers per chunk (the +1 after the LM head), as the host
+// counts. Skip bits (kSkipShift + 0..5: qkv, attention, o_proj, gate_up,
+// down, lm_head) drop phases for profiling, as in the decode kernel.
+//
+// What it uses (all included by megakernel.cu before this file):
+//   core/*                 params, weight addressing, rotary, KV cache, barrier
+//   decode/lm_head.cuh,
+//   decode/argmax.cuh      the final norm, LM head and greedy pick
+//   decode/mlp.cuh         silu (the mma.sync gate/up epilogue)
+//   prefill/norm.cuh       prefill_rms_norm (norm1, norm2)
+//   prefill/gemm_phases.cuh prefill_qkv, prefill_residual_gemm, prefill_gate_up,
+//                          prefill_rope_fused (over prefill/gemm.cuh, prefill/wgmma.cuh)
+//   prefill/rope.cuh       prefill_rope_kv (the mma.sync path's rope phase)
+//   prefill/attention.cuh  prefill_attention, kPfSmemAvail
+//   prefill/wgmma.cuh      WgStreamK, wg_sk_nonce (the stream-K scratch)
 #pragma once
 
 namespace qmk {
@@ -20,7 +34,7 @@ namespace qmk {
 // Dynamic shared memory: the GEMM stages (the wgmma ones where that path is
 // compiled in: it also runs the mma.sync path under kFlagPfMmaSync, inside
 // the same bytes) or the final norm's activation vector, whichever is larger.
-// kPfSmemAvail (prefill_attention.cuh) is the GEMM stages' size.
+// kPfSmemAvail (prefill/attention.cuh) is the GEMM stages' size.
 constexpr u32 kPrefillSmemBytes =
     kPfSmemAvail > (u32)(QMK_HIDDEN * 4) ? kPfSmemAvail : (u32)(QMK_HIDDEN * 4);
 static_assert(kPrefillSmemBytes == ((QMK_WGMMA && kWgShapesOk) ? QMK_PREFILL_SMEM_BYTES_WGMMA
@@ -35,7 +49,7 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
     using namespace qmk;
     extern __shared__ float4 qmk_dyn_smem[];
     u16* smem = reinterpret_cast<u16*>(qmk_dyn_smem);
-    float* xs = reinterpret_cast<float*>(qmk_dyn_smem);
+    float* xs = reinterpret_cast<float*>(qmk_dyn_smem);  // [H] f32 (final norm)
     __shared__ float red[QMK_WARPS];
     const Params& p = pp.base;
 
@@ -47,7 +61,7 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
                   ? kErrBadPos
                   : kErrNone;
     if (bad == kErrNone) {
-        const u32* tokens = reinterpret_cast<const u32*>(pp.tokens);
+        const u32* tokens = reinterpret_cast<const u32*>(pp.tokens);  // [n] u32
         int any = 0;
         for (u32 t = threadIdx.x; t < n; t += QMK_THREADS) any |= tokens[t] >= QMK_VOCAB;
         if (__syncthreads_or(any)) bad = kErrBadToken;
@@ -62,13 +76,13 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
     const u32 skip = (p.flags >> kSkipShift) & 0x3Fu;
     GridBarrier bar;
     bar.init(p);
-    // Stream-K scratch of the wgmma GEMM phases (prefill_wgmma.cuh): this
+    // Stream-K scratch of the wgmma GEMM phases (prefill/wgmma.cuh): this
     // launch's nonce, read by every CTA before its first barrier arrival.
     __shared__ u32 s_nonce;
     if (threadIdx.x == 0) s_nonce = (u32)*reinterpret_cast<volatile u64*>(wg_sk_nonce(pp));
     __syncthreads();
     WgStreamK sk;
-    sk.part = reinterpret_cast<float*>(pp.sk);
+    sk.part = reinterpret_cast<float*>(pp.sk);  // [G, kWgRows x kWgTokMax] f32
     sk.flags = wg_sk_nonce(pp) + 1;
     sk.nonce = s_nonce;
     sk.seq = 0;
