@@ -693,21 +693,18 @@ pub struct BenchOptions {
     /// warm-up step hold synthetic KV values ([`KV_FILL_BF16`]). 0: start
     /// at position 0 (the short-context bench).
     pub context: usize,
-    /// Extra [`KernelParams::flags`] bits for every step (A/B runs:
-    /// [`crate::params::FLAG_WARP_MAJOR`], [`crate::params::FLAG_ATTN_NO_SPLIT`]).
+    /// Extra [`KernelParams::flags`] bits for every step (oracle runs, e.g.
+    /// [`crate::params::FLAG_ATTN_NO_SPLIT`]).
     pub flags: u32,
 }
 
 /// `bench --profile`: (name, extra flags) of every variant, timed in the
 /// same process at the same positions. Phase skips keep every barrier;
-/// cost of a phase = full - skip. The A/B rows: the v1.2 attention (no
-/// sequence split), the split forced at any length (it is the default from
-/// `ATTN_SPLIT_MIN_CONTEXT` on), the warp-major row map, combinations.
+/// cost of a phase = full - skip. The attention rows: the unsplit path at
+/// every length, and the split forced at any length (it is the default from
+/// `ATTN_SPLIT_MIN_CONTEXT` on).
 pub const PROFILE_VARIANTS: &[(&str, u32)] = {
-    use crate::params::{
-        FLAG_ATTN_FORCE_SPLIT as FS, FLAG_ATTN_NO_SPLIT as NS, FLAG_CTA_MAJOR as CM,
-        FLAG_WARP_MAJOR as WM, SKIP_SHIFT as K,
-    };
+    use crate::params::{FLAG_ATTN_FORCE_SPLIT as FS, FLAG_ATTN_NO_SPLIT as NS, SKIP_SHIFT as K};
     &[
         ("full", 0),
         ("barriers only", 63 << K),
@@ -717,16 +714,9 @@ pub const PROFILE_VARIANTS: &[(&str, u32)] = {
         ("skip mlp gate/up", 8 << K),
         ("skip mlp down", 16 << K),
         ("skip lm_head", 32 << K),
-        ("full, attention no split (v1.2)", NS),
+        ("full, attention no split", NS),
         ("skip attention, no split", NS | 2 << K),
         ("full, split forced", FS),
-        ("full, warp-major", WM),
-        ("full, warp-major, no split", WM | NS),
-        ("skip o_proj, warp-major", WM | 4 << K),
-        ("skip mlp down, warp-major", WM | 16 << K),
-        ("full, cta-major (v1.2 map)", CM),
-        ("skip o_proj, cta-major", CM | 4 << K),
-        ("skip mlp down, cta-major", CM | 16 << K),
     ]
 };
 

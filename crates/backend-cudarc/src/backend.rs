@@ -466,7 +466,7 @@ impl CudarcBackend {
     }
     /// A/B and test hook: sets (`on`) or clears the kernel flag bits `mask`
     /// (`qmk_kernels::params::FLAG_*`, e.g. `FLAG_ATTN_NO_SPLIT`,
-    /// `FLAG_WARP_MAJOR`) for every following step.
+    /// `FLAG_PF_NO_STREAM_K`) for every following step.
     #[doc(hidden)]
     pub fn set_kernel_flags(&mut self, mask: u32, on: bool) {
         self.debug_flags = if on {

@@ -27,8 +27,8 @@ pub struct BenchArgs {
     /// synthetic KV values; the floor counts the KV bytes read.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     context: Vec<usize>,
-    /// Extra kernel flag bits for every timed step (A/B: 16 warp-major
-    /// rows, 32 attention without the sequence split).
+    /// Extra kernel flag bits for every timed step (A/B: 32 attention
+    /// without the sequence split).
     #[arg(long, default_value_t = 0)]
     kernel_flags: u32,
     /// Size of the streaming-read buffer for the floor, GiB.

@@ -29,6 +29,7 @@ use qmk_model::{synthetic_weights, Config, Weights};
 pub const SEED: u64 = 20261129;
 
 /// Lowest index of the maximum: the kernel's tie rule.
+#[allow(unused_imports)]
 pub use qmk_engine::sampling::argmax;
 
 /// One GPU test at a time: each launch wants every SM.
