@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 use qmk_engine::BackendKind;
-use qmk_gpu::{CudaCode, DeviceAttr, DeviceMemory, Driver, Error, MappedMemory, Result};
+use qmk_gpu::{CudaCode, DeviceAttr, DeviceMemory, Driver, Error, MappedHost, Result};
 
 fn code(e: DriverError) -> CudaCode {
     CudaCode(e.0 as u32)
@@ -89,31 +89,14 @@ impl Drop for Memory {
     }
 }
 
-/// Pinned host memory mapped into the device (freed on drop).
-#[derive(Debug)]
-pub struct Mapped {
-    host: *mut c_void,
-    device: u64,
-    bytes: usize,
-}
-
-impl MappedMemory for Mapped {
-    fn host_ptr(&self) -> *mut u8 {
-        self.host.cast()
-    }
-    fn device_addr(&self) -> u64 {
-        self.device
-    }
-    fn bytes(&self) -> usize {
-        self.bytes
-    }
-}
-
-impl Drop for Mapped {
-    fn drop(&mut self) {
-        // SAFETY: from cuMemHostAlloc, freed once.
-        let _ = unsafe { result::free_host(self.host) };
-    }
+/// Releases pinned host memory (errors, a dead context, cannot be reported
+/// from drop).
+///
+/// # Safety
+/// `host` came from `cuMemHostAlloc` and is freed once.
+unsafe fn free_host(host: *mut c_void) {
+    // SAFETY: per the caller.
+    let _ = unsafe { result::free_host(host) };
 }
 
 fn attribute(a: DeviceAttr) -> sys::CUdevice_attribute {
@@ -142,7 +125,6 @@ impl Driver for CudarcDriver {
     type Stream = Stream;
     type Event = Event;
     type Memory = Memory;
-    type Mapped = Mapped;
 
     fn init() -> Result<()> {
         // Checked before any cudarc call, which would panic without libcuda.
@@ -261,7 +243,7 @@ impl Driver for CudarcDriver {
         Ok(Memory { ptr, bytes })
     }
 
-    fn alloc_mapped(&self, bytes: usize) -> Result<Mapped, CudaCode> {
+    fn alloc_mapped(&self, bytes: usize) -> Result<MappedHost, CudaCode> {
         // SAFETY: a pinned allocation, zeroed before any use.
         let host = unsafe {
             result::malloc_host(
@@ -270,16 +252,17 @@ impl Driver for CudarcDriver {
             )
         }
         .map_err(code)?;
-        let mut m = Mapped {
-            host,
-            device: 0,
-            bytes,
-        };
-        // SAFETY: host points at `bytes` writable bytes.
-        unsafe { std::ptr::write_bytes(host.cast::<u8>(), 0, bytes) };
-        // SAFETY: host was allocated with DEVICEMAP.
-        check(unsafe { sys::cuMemHostGetDevicePointer_v2(&mut m.device, host, 0) })?;
-        Ok(m)
+        // SAFETY: `bytes` pinned bytes with DEVICEMAP, released by
+        // cuMemFreeHost.
+        unsafe {
+            MappedHost::adopt(host, bytes, free_host, |h| {
+                let mut device = 0;
+                sys::cuMemHostGetDevicePointer_v2(&mut device, h, 0)
+                    .result()
+                    .map_err(code)?;
+                Ok(device)
+            })
+        }
     }
 
     unsafe fn htod(&self, dst: u64, src: &[u8]) -> Result<(), CudaCode> {
@@ -295,12 +278,12 @@ impl Driver for CudarcDriver {
     unsafe fn htod_async(
         &self,
         dst: u64,
-        src: &Mapped,
+        src: &MappedHost,
         bytes: usize,
         stream: &Stream,
     ) -> Result<(), CudaCode> {
         // SAFETY: per the trait's contract.
-        check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.host, bytes, stream.0) })
+        check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.host_ptr().cast(), bytes, stream.0) })
     }
 
     unsafe fn memset_d8(&self, dst: u64, value: u8, n: usize) -> Result<(), CudaCode> {
@@ -334,38 +317,23 @@ impl Driver for CudarcDriver {
         params: *mut c_void,
         cooperative: bool,
     ) -> Result<(), CudaCode> {
-        let mut args = [params];
+        let launch = if cooperative {
+            result::launch_cooperative_kernel
+        } else {
+            result::launch_kernel
+        };
         // SAFETY: per the trait's contract; the driver copies the block.
-        check(unsafe {
-            if cooperative {
-                sys::cuLaunchCooperativeKernel(
-                    f.0,
-                    grid,
-                    1,
-                    1,
-                    block,
-                    1,
-                    1,
-                    smem,
-                    stream.0,
-                    args.as_mut_ptr(),
-                )
-            } else {
-                sys::cuLaunchKernel(
-                    f.0,
-                    grid,
-                    1,
-                    1,
-                    block,
-                    1,
-                    1,
-                    smem,
-                    stream.0,
-                    args.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            }
-        })
+        unsafe {
+            launch(
+                f.0,
+                (grid, 1, 1),
+                (block, 1, 1),
+                smem,
+                stream.0,
+                &mut [params],
+            )
+        }
+        .map_err(code)
     }
 
     fn event(&self) -> Result<Event, CudaCode> {

@@ -7,7 +7,7 @@ use std::ffi::{c_void, CString};
 use std::os::raw::c_int;
 
 use cust::context::{Context, CurrentContext};
-use cust::device::Device;
+use cust::device::{Device, DeviceAttribute};
 use cust::error::CudaError;
 use cust::event::{Event, EventFlags, EventStatus};
 use cust::memory::{mem_get_info, CopyDestination, DeviceBuffer};
@@ -16,7 +16,7 @@ use cust::stream::{Stream, StreamFlags};
 use cust::sys;
 use cust::CudaFlags;
 use qmk_engine::BackendKind;
-use qmk_gpu::{CudaCode, DeviceAttr, DeviceMemory, Driver, Error, MappedMemory, Result};
+use qmk_gpu::{CudaCode, DeviceAttr, DeviceMemory, Driver, Error, MappedHost, Result};
 
 /// cust folds codes it does not know into `UnknownError` (999).
 fn code(e: CudaError) -> CudaCode {
@@ -58,45 +58,34 @@ impl DeviceMemory for Memory {
     }
 }
 
-/// Pinned host memory mapped into the device (freed on drop; cust has no
-/// wrapper for `CU_MEMHOSTALLOC_DEVICEMAP`).
-#[derive(Debug)]
-pub struct Mapped {
-    host: *mut c_void,
-    device: u64,
-    bytes: usize,
+/// Releases pinned host memory (cust has no wrapper for
+/// `CU_MEMHOSTALLOC_DEVICEMAP`; errors, a dead context, cannot be reported
+/// from drop).
+///
+/// # Safety
+/// `host` came from `cuMemHostAlloc` and is freed once.
+unsafe fn free_host(host: *mut c_void) {
+    // SAFETY: per the caller.
+    let _ = unsafe { sys::cuMemFreeHost(host) };
 }
 
-impl MappedMemory for Mapped {
-    fn host_ptr(&self) -> *mut u8 {
-        self.host.cast()
-    }
-    fn device_addr(&self) -> u64 {
-        self.device
-    }
-    fn bytes(&self) -> usize {
-        self.bytes
-    }
+/// cust's `DeviceAttribute` (CUDA 11.2 era) lacks the opt-in shared memory
+/// and cooperative-launch attributes: those are read through `cust::sys`.
+enum Attr {
+    Cust(DeviceAttribute),
+    Raw(sys::CUdevice_attribute),
 }
 
-impl Drop for Mapped {
-    fn drop(&mut self) {
-        // SAFETY: from cuMemHostAlloc, freed once; errors (a dead context)
-        // cannot be reported from drop.
-        let _ = unsafe { sys::cuMemFreeHost(self.host) };
-    }
-}
-
-fn attribute(a: DeviceAttr) -> sys::CUdevice_attribute {
-    use sys::CUdevice_attribute::*;
+fn attr(a: DeviceAttr) -> Attr {
+    use sys::CUdevice_attribute as Raw;
     match a {
-        DeviceAttr::ComputeMajor => CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-        DeviceAttr::ComputeMinor => CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
-        DeviceAttr::MultiprocessorCount => CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        DeviceAttr::ComputeMajor => Attr::Cust(DeviceAttribute::ComputeCapabilityMajor),
+        DeviceAttr::ComputeMinor => Attr::Cust(DeviceAttribute::ComputeCapabilityMinor),
+        DeviceAttr::MultiprocessorCount => Attr::Cust(DeviceAttribute::MultiprocessorCount),
         DeviceAttr::MaxSharedMemoryPerBlockOptin => {
-            CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+            Attr::Raw(Raw::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         }
-        DeviceAttr::CooperativeLaunch => CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH,
+        DeviceAttr::CooperativeLaunch => Attr::Raw(Raw::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH),
     }
 }
 
@@ -108,7 +97,6 @@ impl Driver for CustDriver {
     type Stream = Stream;
     type Event = Event;
     type Memory = Memory;
-    type Mapped = Mapped;
 
     /// cust links libcuda.so.1 at build time: a binary of this crate does
     /// not start at all on a machine with no libcuda (real or stub), so
@@ -132,12 +120,17 @@ impl Driver for CustDriver {
         Ok(device(ordinal)?.total_memory().map_err(code)? as u64)
     }
 
-    fn attribute(ordinal: usize, attr: DeviceAttr) -> Result<i32, CudaCode> {
+    fn attribute(ordinal: usize, a: DeviceAttr) -> Result<i32, CudaCode> {
         let dev = device(ordinal)?;
-        let mut v: c_int = 0;
-        // SAFETY: a valid device handle and out pointer.
-        check(unsafe { sys::cuDeviceGetAttribute(&mut v, attribute(attr), dev.as_raw()) })?;
-        Ok(v)
+        match attr(a) {
+            Attr::Cust(a) => dev.get_attribute(a).map_err(code),
+            Attr::Raw(a) => {
+                let mut v: c_int = 0;
+                // SAFETY: a valid device handle and out pointer.
+                check(unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev.as_raw()) })?;
+                Ok(v)
+            }
+        }
     }
 
     fn open(ordinal: usize) -> Result<Self, CudaCode> {
@@ -216,7 +209,7 @@ impl Driver for CustDriver {
             .map_err(code)
     }
 
-    fn alloc_mapped(&self, bytes: usize) -> Result<Mapped, CudaCode> {
+    fn alloc_mapped(&self, bytes: usize) -> Result<MappedHost, CudaCode> {
         let mut host: *mut c_void = std::ptr::null_mut();
         // SAFETY: a pinned allocation, zeroed below before any use.
         check(unsafe {
@@ -226,16 +219,15 @@ impl Driver for CustDriver {
                 sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
             )
         })?;
-        let mut m = Mapped {
-            host,
-            device: 0,
-            bytes,
-        };
-        // SAFETY: host points at `bytes` writable bytes.
-        unsafe { std::ptr::write_bytes(host.cast::<u8>(), 0, bytes) };
-        // SAFETY: host was allocated with DEVICEMAP.
-        check(unsafe { sys::cuMemHostGetDevicePointer_v2(&mut m.device, host, 0) })?;
-        Ok(m)
+        // SAFETY: `bytes` pinned bytes with DEVICEMAP, released by
+        // cuMemFreeHost.
+        unsafe {
+            MappedHost::adopt(host, bytes, free_host, |h| {
+                let mut device: sys::CUdeviceptr = 0;
+                check(sys::cuMemHostGetDevicePointer_v2(&mut device, h, 0))?;
+                Ok(device)
+            })
+        }
     }
 
     unsafe fn htod(&self, dst: u64, src: &[u8]) -> Result<(), CudaCode> {
@@ -251,12 +243,14 @@ impl Driver for CustDriver {
     unsafe fn htod_async(
         &self,
         dst: u64,
-        src: &Mapped,
+        src: &MappedHost,
         bytes: usize,
         stream: &Stream,
     ) -> Result<(), CudaCode> {
         // SAFETY: per the trait's contract.
-        check(unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.host, bytes, stream.as_inner()) })
+        check(unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.host_ptr().cast(), bytes, stream.as_inner())
+        })
     }
 
     unsafe fn memset_d8(&self, dst: u64, value: u8, n: usize) -> Result<(), CudaCode> {

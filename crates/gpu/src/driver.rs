@@ -39,16 +39,61 @@ pub trait DeviceMemory {
     fn bytes(&self) -> usize;
 }
 
-/// Pinned host memory mapped into the device's address space (freed on
-/// drop): the kernel's status block when it lives on the host, and the
-/// staging word of the abort flag.
-pub trait MappedMemory {
+/// Pinned host memory mapped into the device's address space: the kernel's
+/// status block when it lives on the host, and the staging word of the
+/// abort flag. Zeroed when adopted, freed on drop.
+#[derive(Debug)]
+pub struct MappedHost {
+    host: *mut c_void,
+    device: u64,
+    bytes: usize,
+    free: unsafe fn(*mut c_void),
+}
+
+impl MappedHost {
+    /// Adopts `bytes` of pinned host memory at `host`: zeroes it, asks
+    /// `device_ptr` for the address the device sees, and releases it with
+    /// `free` on failure and on drop.
+    ///
+    /// # Safety
+    /// `host` points at `bytes` writable bytes of pinned memory allocated
+    /// with `CU_MEMHOSTALLOC_DEVICEMAP`, which `free` releases.
+    pub unsafe fn adopt(
+        host: *mut c_void,
+        bytes: usize,
+        free: unsafe fn(*mut c_void),
+        device_ptr: impl FnOnce(*mut c_void) -> Result<u64, CudaCode>,
+    ) -> Result<MappedHost, CudaCode> {
+        let mut m = MappedHost {
+            host,
+            device: 0,
+            bytes,
+            free,
+        };
+        // SAFETY: per the caller, host points at `bytes` writable bytes.
+        unsafe { std::ptr::write_bytes(host.cast::<u8>(), 0, bytes) };
+        m.device = device_ptr(host)?;
+        Ok(m)
+    }
     /// The host address (page aligned).
-    fn host_ptr(&self) -> *mut u8;
+    pub fn host_ptr(&self) -> *mut u8 {
+        self.host.cast()
+    }
     /// The address the device sees.
-    fn device_addr(&self) -> u64;
+    pub fn device_addr(&self) -> u64 {
+        self.device
+    }
     /// Its size in bytes.
-    fn bytes(&self) -> usize;
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for MappedHost {
+    fn drop(&mut self) {
+        // SAFETY: adopted once, freed once with its own release function.
+        unsafe { (self.free)(self.host) }
+    }
 }
 
 /// One CUDA context on one device, through one driver binding. A value of
@@ -73,8 +118,6 @@ pub trait Driver: Sized {
     type Event;
     /// A device allocation.
     type Memory: DeviceMemory;
-    /// A mapped pinned host allocation.
-    type Mapped: MappedMemory;
 
     /// Loads and initialises the driver: [`Error::NoDriver`] where there is
     /// no libcuda, [`Error::NoDevice`] where it reports no device (the CI's
@@ -117,7 +160,7 @@ pub trait Driver: Sized {
     /// `bytes` of uninitialised device memory.
     fn alloc(&self, bytes: usize) -> Result<Self::Memory, CudaCode>;
     /// `bytes` of zeroed pinned host memory mapped into the device.
-    fn alloc_mapped(&self, bytes: usize) -> Result<Self::Mapped, CudaCode>;
+    fn alloc_mapped(&self, bytes: usize) -> Result<MappedHost, CudaCode>;
     /// Synchronous copy of `src` to device address `dst`.
     ///
     /// # Safety
@@ -136,7 +179,7 @@ pub trait Driver: Sized {
     unsafe fn htod_async(
         &self,
         dst: u64,
-        src: &Self::Mapped,
+        src: &MappedHost,
         bytes: usize,
         stream: &Self::Stream,
     ) -> Result<(), CudaCode>;

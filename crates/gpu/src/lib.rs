@@ -38,7 +38,7 @@ mod status;
 pub use backend::GpuBackend;
 pub use cuda::{cuda_error_name, describe_cubin, is_sticky, CudaCode};
 pub use driver::{
-    device_count, device_info, devices, DeviceAttr, DeviceMemory, Driver, MappedMemory,
+    device_count, device_info, devices, DeviceAttr, DeviceMemory, Driver, MappedHost,
 };
 pub use error::{Error, Result};
 pub use options::{

@@ -10,7 +10,7 @@ use std::mem::{offset_of, size_of};
 
 use qmk_kernels::HostStatus;
 
-use crate::driver::{DeviceMemory, Driver, MappedMemory};
+use crate::driver::{DeviceMemory, Driver, MappedHost};
 use crate::error::{Error, Result};
 
 /// Word (u32) index of the abort flag in the block.
@@ -19,15 +19,15 @@ const ABORT: usize = offset_of!(HostStatus, abort) / 4;
 const WORDS: usize = size_of::<HostStatus>() / 4;
 
 pub(crate) enum StatusBlock<D: Driver> {
-    Mapped(D::Mapped),
+    Mapped(MappedHost),
     Device {
         buf: D::Memory,
-        staging: D::Mapped,
+        staging: MappedHost,
         ctrl: D::Stream,
     },
 }
 
-fn word(m: &impl MappedMemory, index: usize) -> *mut u32 {
+fn word(m: &MappedHost, index: usize) -> *mut u32 {
     assert!((index + 1) * 4 <= m.bytes());
     // SAFETY: in bounds (asserted); pinned allocations are page aligned.
     unsafe { m.host_ptr().cast::<u32>().add(index) }
