@@ -19,7 +19,9 @@ use crate::plan::{
     base_params, clamp_prefill_chunk, duration_ns, prefill_chunks, prefill_launch_params,
     set_buffer, set_prefill_buffer, Buffer, LaunchInfo, MemoryPlan,
 };
-use crate::staging::{planned_chunks, tie_embeddings, WeightSource, UPLOAD_PIECE_BYTES};
+use crate::staging::{
+    planned_chunks, stage_exact, tie_embeddings, WeightSource, UPLOAD_PIECE_BYTES,
+};
 use crate::status::StatusBlock;
 
 /// The cubin's kernels (valid as long as the module is).
@@ -298,29 +300,11 @@ impl<D: Driver> GpuBackend<D> {
         for c in &chunks {
             let what = format!("{} chunk {}", c.tensor, c.chunk);
             let buf = alloc(&driver, c.bytes, &what, false)?;
-            let mut written = 0u64;
-            source.stage(c, &mut |piece| {
-                let end = written
-                    .checked_add(piece.len() as u64)
-                    .filter(|&e| e <= c.bytes)
-                    .ok_or_else(|| Error::Weights {
-                        tensor: c.tensor.clone(),
-                        reason: format!("the source gives more than chunk {}'s bytes", c.chunk),
-                    })?;
-                // SAFETY: buf holds c.bytes >= end bytes.
-                unsafe { upload(&driver, buf.addr() + written, piece, progress) }?;
-                written = end;
-                Ok(())
+            stage_exact(source, c, &mut |off, piece| {
+                // SAFETY: stage_exact keeps off + piece.len() <= c.bytes,
+                // the size of buf.
+                unsafe { upload(&driver, buf.addr() + off, piece, progress) }
             })?;
-            if written != c.bytes {
-                return Err(Error::Weights {
-                    tensor: c.tensor.clone(),
-                    reason: format!(
-                        "the source gave {written} of chunk {}'s {} bytes",
-                        c.chunk, c.bytes
-                    ),
-                });
-            }
             c.set(&mut params, buf.addr());
             weights.push(buf);
         }

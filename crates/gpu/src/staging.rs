@@ -94,6 +94,39 @@ pub trait WeightSource {
         -> Result<()>;
 }
 
+/// Stages `chunk` from `source`, calling `write(offset, piece)` with each
+/// piece's offset inside the chunk, and checks that the source gives
+/// exactly the chunk's bytes (an error names the tensor).
+pub fn stage_exact(
+    source: &dyn WeightSource,
+    chunk: &PlannedChunk,
+    write: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<()> {
+    let mut written = 0u64;
+    source.stage(chunk, &mut |piece| {
+        let end = written
+            .checked_add(piece.len() as u64)
+            .filter(|&e| e <= chunk.bytes)
+            .ok_or_else(|| Error::Weights {
+                tensor: chunk.tensor.clone(),
+                reason: format!("the source gives more than chunk {}'s bytes", chunk.chunk),
+            })?;
+        write(written, piece)?;
+        written = end;
+        Ok(())
+    })?;
+    if written != chunk.bytes {
+        return Err(Error::Weights {
+            tensor: chunk.tensor.clone(),
+            reason: format!(
+                "the source gave {written} of chunk {}'s {} bytes",
+                chunk.chunk, chunk.bytes
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Weights in host memory: each chunk is a slice of its stacked tensor.
 impl WeightSource for Weights {
     fn config(&self) -> &Config {
@@ -179,6 +212,55 @@ mod tests {
                 assert_ne!(slot, 0, "tied={tied}: {name} has no chunk 0");
             }
             assert_eq!(p.lm_head == p.embed_tokens, tied);
+        }
+    }
+
+    /// A source that hands out its bytes in pieces of `piece` (as one
+    /// streaming from a file would), giving `extra` bytes more or fewer.
+    struct Pieces {
+        config: Config,
+        piece: usize,
+        extra: i64,
+    }
+
+    impl WeightSource for Pieces {
+        fn config(&self) -> &Config {
+            &self.config
+        }
+        fn stage(
+            &self,
+            chunk: &PlannedChunk,
+            write: &mut dyn FnMut(&[u8]) -> Result<()>,
+        ) -> Result<()> {
+            let n = (chunk.bytes as i64 + self.extra) as usize;
+            let bytes: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+            bytes.chunks(self.piece).try_for_each(write)
+        }
+    }
+
+    #[test]
+    fn streamed_pieces_land_at_their_offsets_and_counts_are_checked() {
+        let config = tiny(true);
+        let build = KernelBuild::new(&config).unwrap();
+        let chunk = planned_chunks(&build).unwrap().remove(0);
+        let src = |extra| Pieces {
+            config: config.clone(),
+            piece: 1000,
+            extra,
+        };
+        let mut dst = vec![0u8; chunk.bytes as usize];
+        stage_exact(&src(0), &chunk, &mut |off, piece| {
+            dst[off as usize..off as usize + piece.len()].copy_from_slice(piece);
+            Ok(())
+        })
+        .unwrap();
+        assert!(dst.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+        for extra in [1, -1] {
+            let e = stage_exact(&src(extra), &chunk, &mut |_, _| Ok(())).unwrap_err();
+            assert!(
+                e.to_string().starts_with("weight tensor embed_tokens:"),
+                "{e}"
+            );
         }
     }
 
