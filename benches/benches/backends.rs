@@ -1,15 +1,16 @@
-//! cudarc vs cust, side by side (one criterion group per measure):
+//! cudarc vs cust through the same `GpuBackend`, side by side (one criterion
+//! group per measure, each one generic function instantiated per driver):
 //!
 //! - `decode_step/<preset>`: one decode step through `Backend::step` at the
 //!   0.5B and 7B shapes (synthetic weights), host clock around a call that
 //!   returns only after the step's completion event;
-//! - `weight_upload/0.5b`: the backends' whole weight upload (criterion's
+//! - `weight_upload/0.5b`: the backend's whole weight upload (criterion's
 //!   throughput; the table gives GB/s = 1e9 B/s);
 //! - `launch_overhead/empty_step`: per launch, N empty steps (real parameter
 //!   block, real cooperative grid, every CTA returns at once) queued back to
 //!   back and closed by a stream synchronisation.
 //!
-//! A markdown table (each backend's event-timed `bench()` median, upload
+//! A markdown table (each driver's event-timed `bench()` median, upload
 //! GB/s, launch costs) is printed last and written to `$QMK_BENCH_TABLE`
 //! when set. Without a GPU (or with the stub libcuda) it prints why and
 //! skips. Presets: `QMK_BENCH_PRESETS` (default `0.5b,7b`).
@@ -19,9 +20,11 @@ use std::time::Duration;
 
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, SamplingMode, Throughput};
-use qmk_backend_cudarc::CudarcBackend;
-use qmk_backend_cust::CustBackend;
-use qmk_benches::{gpu_available, median, time_steps, DecodeRow, GpuBench};
+use qmk_benches::{
+    decode_report, gpu_available, median, open, time_steps, CudarcDriver, CustDriver,
+};
+use qmk_engine::Backend;
+use qmk_gpu::{BenchReport, Driver};
 use qmk_model::{synthetic_weights, Config, Weights};
 
 const SEED: u64 = 20261129;
@@ -30,43 +33,34 @@ const FIRST_TOKEN: u32 = 9707;
 
 #[derive(Default)]
 struct Table {
-    decode: Vec<(String, &'static str, DecodeRow)>,
+    decode: Vec<(String, &'static str, BenchReport)>,
     upload: Vec<(&'static str, u64, f64)>,
     launch: Vec<(&'static str, f64, f64)>,
 }
 
-fn decode<B: GpuBench>(
+fn decode<D: Driver>(
     g: &mut BenchmarkGroup<'_, WallTime>,
     preset: &str,
     w: &Weights,
     t: &mut Table,
-) where
-    B::Error: std::fmt::Display,
-{
-    let (mut b, _) = B::open(w, CAPACITY).unwrap_or_else(|e| panic!("{}: {e}", B::NAME));
-    let row = b
-        .decode_report(16, 128)
-        .unwrap_or_else(|e| panic!("{} bench(): {e}", B::NAME));
-    t.decode.push((preset.to_string(), B::NAME, row));
+) {
+    let (mut b, _) = open::<D>(w, CAPACITY);
+    let row = decode_report(&mut b, 16, 128);
+    t.decode.push((preset.to_string(), D::NAME, row));
     let (mut pos, mut token) = (0usize, FIRST_TOKEN);
-    b.reset().unwrap_or_else(|e| panic!("{}: {e}", B::NAME));
-    g.bench_function(B::NAME, |bch| {
+    b.reset().unwrap_or_else(|e| panic!("{}: {e}", D::NAME));
+    g.bench_function(D::NAME, |bch| {
         bch.iter_custom(|iters| time_steps(&mut b, &mut pos, &mut token, iters))
     });
 }
 
-fn upload<B: GpuBench>(
-    g: &mut BenchmarkGroup<'_, WallTime>,
-    w: &Weights,
-    bytes: u64,
-    t: &mut Table,
-) {
+fn upload<D: Driver>(g: &mut BenchmarkGroup<'_, WallTime>, w: &Weights, bytes: u64, t: &mut Table) {
     let mut seen = Vec::new();
-    g.bench_function(B::NAME, |bch| {
+    g.bench_function(D::NAME, |bch| {
         bch.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
-                let (b, took) = B::open(w, 64).unwrap_or_else(|e| panic!("{}: {e}", B::NAME));
+                let (b, took) = open::<D>(w, 64);
                 drop(b);
                 seen.push(bytes as f64 / took.as_secs_f64() / 1e9);
                 total += took;
@@ -74,14 +68,14 @@ fn upload<B: GpuBench>(
             total
         })
     });
-    t.upload.push((B::NAME, bytes, median(&mut seen)));
+    t.upload.push((D::NAME, bytes, median(&mut seen)));
 }
 
-fn launch<B: GpuBench>(g: &mut BenchmarkGroup<'_, WallTime>, w: &Weights, t: &mut Table) {
-    let (mut b, _) = B::open(w, 64).unwrap_or_else(|e| panic!("{}: {e}", B::NAME));
+fn launch<D: Driver>(g: &mut BenchmarkGroup<'_, WallTime>, w: &Weights, t: &mut Table) {
+    let (mut b, _) = open::<D>(w, 64);
     let mut empty = |n: usize| {
         b.empty_launches(n)
-            .unwrap_or_else(|e| panic!("{} empty launches: {e}", B::NAME))
+            .unwrap_or_else(|e| panic!("{} empty launches: {e}", D::NAME))
     };
     let _warm = empty(64);
     // Pipelined: per-launch host cost. Round trip: one launch + sync.
@@ -91,8 +85,8 @@ fn launch<B: GpuBench>(g: &mut BenchmarkGroup<'_, WallTime>, w: &Weights, t: &mu
     let mut rt = (0..200)
         .map(|_| empty(1).as_secs_f64() * 1e6)
         .collect::<Vec<_>>();
-    t.launch.push((B::NAME, median(&mut per), median(&mut rt)));
-    g.bench_function(B::NAME, |bch| {
+    t.launch.push((D::NAME, median(&mut per), median(&mut rt)));
+    g.bench_function(D::NAME, |bch| {
         bch.iter_custom(|iters| empty(iters as usize))
     });
 }
@@ -104,10 +98,10 @@ fn weights(preset: &str) -> Weights {
 
 fn render(t: &Table) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "\n## Backend comparison (cudarc vs cust)\n");
+    let _ = writeln!(s, "\n## Driver comparison (cudarc vs cust, one backend)\n");
     let _ = writeln!(
         s,
-        "| decode step | backend | us/step median (events) | p10 | p90 | tok/s | GB/s | % of floor (stream read) | grid |"
+        "| decode step | driver | us/step median (events) | p10 | p90 | tok/s | GB/s | % of floor (stream read) | grid |"
     );
     let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
     for (p, name, r) in &t.decode {
@@ -148,7 +142,7 @@ fn main() {
         .sample_size(10)
         .configure_from_args();
     if let Err(reason) = gpu_available() {
-        println!("SKIPPED the GPU backend benches: {reason}");
+        println!("SKIPPED the GPU driver benches: {reason}");
         return;
     }
     let presets = std::env::var("QMK_BENCH_PRESETS").unwrap_or_else(|_| "0.5b,7b".into());
@@ -160,16 +154,16 @@ fn main() {
         .unwrap_or(0);
     {
         let mut g = c.benchmark_group("launch_overhead/empty_step");
-        launch::<CudarcBackend>(&mut g, &small, &mut t);
-        launch::<CustBackend>(&mut g, &small, &mut t);
+        launch::<CudarcDriver>(&mut g, &small, &mut t);
+        launch::<CustDriver>(&mut g, &small, &mut t);
         g.finish();
     }
     {
         let mut g = c.benchmark_group("weight_upload/0.5b");
         g.throughput(Throughput::Bytes(bytes));
         g.sampling_mode(SamplingMode::Flat);
-        upload::<CudarcBackend>(&mut g, &small, bytes, &mut t);
-        upload::<CustBackend>(&mut g, &small, bytes, &mut t);
+        upload::<CudarcDriver>(&mut g, &small, bytes, &mut t);
+        upload::<CustDriver>(&mut g, &small, bytes, &mut t);
         g.finish();
     }
     for preset in presets.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -180,8 +174,8 @@ fn main() {
         };
         let w = w.as_ref().unwrap_or(&small);
         let mut g = c.benchmark_group(format!("decode_step/{preset}"));
-        decode::<CudarcBackend>(&mut g, preset, w, &mut t);
-        decode::<CustBackend>(&mut g, preset, w, &mut t);
+        decode::<CudarcDriver>(&mut g, preset, w, &mut t);
+        decode::<CustDriver>(&mut g, preset, w, &mut t);
         g.finish();
     }
     c.final_summary();

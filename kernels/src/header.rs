@@ -69,6 +69,11 @@ pub fn prefill_smem_bytes(h: u64) -> u64 {
     (PREFILL_GEMM_STAGES * (bm + bn) * ld * 2).max(h * 4)
 }
 
+/// Weight rows x tokens of the largest wgmma GEMM tile
+/// (`qmk::kWgRows` x `qmk::kWgTokMax`): one f32 partial tile per CTA of
+/// the stream-K scratch.
+pub const STREAM_K_TILE_ELEMS: u64 = 256 * 128;
+
 /// wgmma prefill GEMM tile (kernels/cuda/prefill/wgmma.cuh, sm_90a): weight
 /// rows, largest token count and K step of one CTA tile (bf16 elements; a
 /// K step is one 128-byte swizzle row).
@@ -231,7 +236,7 @@ impl KernelBuild {
             ("QMK_BARRIERS_PER_STEP", barriers),
             ("QMK_PREFILL_SMEM_BYTES", pf_smem),
             ("QMK_PREFILL_SMEM_BYTES_WGMMA", pf_smem_wg),
-            ("QMK_STREAM_K_TILE_ELEMS", crate::host::STREAM_K_TILE_ELEMS),
+            ("QMK_STREAM_K_TILE_ELEMS", STREAM_K_TILE_ELEMS),
             ("QMK_PREFILL_BARRIERS", pf_barriers),
             ("QMK_ATTN_TILE", ATTN_TILE),
         ];

@@ -20,7 +20,6 @@
 mod compile;
 mod error;
 mod header;
-pub mod host;
 pub mod nvrtc;
 pub mod params;
 pub mod source;
@@ -31,7 +30,7 @@ pub use compile::{
 pub use error::{KernelsError, Result};
 pub use header::{
     prefill_smem_bytes, prefill_smem_bytes_wgmma, KernelBuild, PREFILL_GEMM_TILE,
-    PREFILL_WGMMA_TILE, WARPS_PER_CTA,
+    PREFILL_WGMMA_TILE, STREAM_K_TILE_ELEMS, WARPS_PER_CTA,
 };
 pub use nvrtc::Nvrtc;
 pub use params::{

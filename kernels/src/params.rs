@@ -109,7 +109,7 @@ pub struct KernelParams {
     pub flags: u32,
     pub rms_norm_eps: f32,
     pub reserved: u32,
-    /// Split-attention scratch (see [`crate::host::attn_part_bytes`]).
+    /// Split-attention scratch (sized by `qmk_gpu::plan::attn_part_bytes`).
     pub attn_part: u64,
 }
 
@@ -132,7 +132,7 @@ pub struct PrefillParams {
     pub qb: u64,     // [T, Q] bf16 rotated queries
     pub hb: u64,     // [T, I] bf16 silu(gate) * up
     /// Stream-K scratch of the wgmma GEMM: [G] partial tiles, then the
-    /// launch nonce and [G] flags ([`crate::host::stream_k_bytes`]).
+    /// launch nonce and [G] flags (sized by `qmk_gpu::plan::stream_k_bytes`).
     pub sk: u64,
     pub n_tokens: u32,
     pub start: u32,

@@ -1,31 +1,47 @@
-//! The Qwen2.5 decode megakernel on the `cudarc` driver bindings.
+//! The Qwen2.5 decode megakernel on the `cudarc` driver bindings:
+//! [`CudarcDriver`] implements [`qmk_gpu::Driver`], and [`CudarcBackend`]
+//! is [`qmk_gpu::GpuBackend`] over it (construction, weight upload, decode
+//! steps, prefill, bounded waits, sticky errors, benchmarks and the trap
+//! probe are written once there, shared with `qmk-backend-cust`).
 //!
-//! [`CudarcBackend`] loads the cubin (NVRTC at run time, cached, or a file),
-//! uploads the weights split per the kernel's plan, sizes the KV cache, and
-//! launches one cooperative kernel per decode step (grid = occupancy x SMs).
-//! Every spin-wait in the kernel is bounded and the host has a deadline, so
-//! a hang becomes an [`Error`]; a sticky CUDA error marks the engine
-//! unusable. It implements [`qmk_engine::Backend`].
+//! cudarc loads libcuda at run time: this crate builds everywhere, and
+//! [`device_count`] reports [`Error::NoDriver`] on a machine without one.
 //!
-//! The binding-independent host logic (options, launch shape, memory plan,
-//! weight staging, parameter block, statistics) is
-//! [`qmk_kernels::host`], shared with `qmk-backend-cust`.
-//!
-//! Also here: the bandwidth floor ([`CudarcBackend::stream_bandwidth`]), the
-//! benchmark ([`CudarcBackend::bench`]) and the 32-bit trap probe
-//! ([`CudarcBackend::trap_probe`]).
+//! ```no_run
+//! use qmk_backend_cudarc::{CudarcBackend, Options};
+//! use qmk_engine::Backend;
+//! let config = qmk_model::Config::preset("0.5b")?;
+//! let weights = qmk_model::synthetic_weights(&config, 1);
+//! let mut gpu = CudarcBackend::new(&weights, Options::default(), &mut ())?;
+//! let next = gpu.step(9707, 0)?.argmax;
+//! # let _ = next;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+#![deny(missing_docs)]
 
-mod backend;
-mod bench;
-mod device;
-mod error;
-mod mem;
-mod probe;
+mod driver;
 
-pub use backend::{CudarcBackend, Options};
-pub use device::{device_count, device_info, devices, init_driver};
-pub use error::{Error, Result};
-pub use probe::{ProbeReport, ProbeRun};
-pub use qmk_kernels::host::{
-    BenchOptions, BenchReport, DeviceInfo, LaunchInfo, MemoryPlan, PrefillReport, Progress,
+pub use driver::CudarcDriver;
+pub use qmk_gpu::{
+    BenchOptions, BenchReport, CudaCode, DeviceInfo, Error, LaunchInfo, LaunchOverhead, MemoryPlan,
+    Options, PrefillReport, ProbeReport, ProbeRun, Progress, Result,
 };
+
+/// The megakernel engine on one GPU through cudarc.
+pub type CudarcBackend = qmk_gpu::GpuBackend<CudarcDriver>;
+
+/// Number of CUDA devices ([`Error::NoDriver`] / [`Error::NoDevice`] when
+/// none).
+pub fn device_count() -> Result<usize> {
+    qmk_gpu::device_count::<CudarcDriver>()
+}
+
+/// Describes device `ordinal`.
+pub fn device_info(ordinal: usize) -> Result<DeviceInfo> {
+    qmk_gpu::device_info::<CudarcDriver>(ordinal)
+}
+
+/// Every device.
+pub fn devices() -> Result<Vec<DeviceInfo>> {
+    qmk_gpu::devices::<CudarcDriver>()
+}

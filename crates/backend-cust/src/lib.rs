@@ -1,13 +1,8 @@
-//! The Qwen2.5 decode megakernel on the `cust` driver bindings: the second
-//! CUDA backend, interchangeable with `qmk-backend-cudarc`.
-//!
-//! [`CustBackend`] loads the same cubin bytes (NVRTC at run time, cached, or
-//! a file), builds the same [`qmk_kernels::KernelParams`] through the
-//! backend-agnostic [`qmk_kernels::host`] code, sizes the grid from the
-//! occupancy API x SMs and launches one cooperative kernel per decode step.
-//! Every spin-wait in the kernel is bounded and the host has a deadline, so
-//! a hang becomes an [`Error`]; a sticky CUDA error marks the engine
-//! unusable. It implements [`qmk_engine::Backend`].
+//! The Qwen2.5 decode megakernel on the `cust` driver bindings:
+//! [`CustDriver`] implements [`qmk_gpu::Driver`], and [`CustBackend`] is
+//! [`qmk_gpu::GpuBackend`] over it, interchangeable with
+//! `qmk-backend-cudarc` (the same host code, cubin, parameter blocks and
+//! grid; only the driver calls differ).
 //!
 //! cust 0.3.2 lacks cooperative launch, `cuFuncSetAttribute`, mapped host
 //! memory and the newer device attributes; those calls go through
@@ -26,15 +21,30 @@
 //! # let _ = next;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+#![deny(missing_docs)]
 
-mod backend;
-mod bench;
-mod device;
-mod error;
-mod mem;
+mod driver;
 
-pub use backend::{CustBackend, Options};
-pub use bench::LaunchOverhead;
-pub use device::{device_count, device_info, devices, init_driver, DeviceInfo};
-pub use error::{CudaCode, Error, Result};
-pub use qmk_kernels::host::{BenchOptions, BenchReport, LaunchInfo, Progress};
+pub use driver::CustDriver;
+pub use qmk_gpu::{
+    BenchOptions, BenchReport, CudaCode, DeviceInfo, Error, LaunchInfo, LaunchOverhead, MemoryPlan,
+    Options, PrefillReport, ProbeReport, ProbeRun, Progress, Result,
+};
+
+/// The megakernel engine on one GPU through cust.
+pub type CustBackend = qmk_gpu::GpuBackend<CustDriver>;
+
+/// Number of CUDA devices ([`Error::NoDevice`] when none).
+pub fn device_count() -> Result<usize> {
+    qmk_gpu::device_count::<CustDriver>()
+}
+
+/// Describes device `ordinal`.
+pub fn device_info(ordinal: usize) -> Result<DeviceInfo> {
+    qmk_gpu::device_info::<CustDriver>(ordinal)
+}
+
+/// Every device.
+pub fn devices() -> Result<Vec<DeviceInfo>> {
+    qmk_gpu::devices::<CustDriver>()
+}

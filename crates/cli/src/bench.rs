@@ -1,12 +1,15 @@
 //! `qwen-mk bench`: decode speed of the megakernel on synthetic weights at a
 //! preset's full shapes, against the bandwidth floor measured in the same
-//! run (DESIGN.md section 4). `--json` prints one JSON object per context
-//! (`--context 0,8192,32768` runs each in the same process, one upload).
+//! run (`docs/performance.md`), or time to first token (`--prefill N`).
+//! `--json` prints one JSON object per context (`--context 0,8192,32768`
+//! runs each in the same process, one upload). Both drivers run the same
+//! [`GpuBackend`].
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use qmk_backend_cudarc::{BenchOptions, BenchReport, CudarcBackend, LaunchInfo, Options, Progress};
-use qmk_model::{synthetic_weights, Config};
+use qmk_gpu::stats::median;
+use qmk_gpu::{BenchOptions, BenchReport, Driver, GpuBackend, LaunchInfo, Options, Progress};
+use qmk_model::{synthetic_weights, Config, Weights};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -28,7 +31,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "0")]
     context: Vec<usize>,
     /// Extra kernel flag bits for every timed step (A/B: 32 attention
-    /// without the sequence split).
+    /// without the sequence split, 64 the split forced).
     #[arg(long, default_value_t = 0)]
     kernel_flags: u32,
     /// Size of the streaming-read buffer for the floor, GiB.
@@ -50,18 +53,19 @@ pub struct BenchArgs {
     #[arg(long)]
     json: bool,
     /// Also time the kernel with each phase skipped and with barriers only
-    /// (where the time goes), and the A/B flag variants.
+    /// (where the time goes), and the attention A/B flag variants.
     #[arg(long)]
     profile: bool,
     /// Timed steps of each profile variant (median reported).
     #[arg(long, default_value_t = 64)]
     profile_steps: usize,
     /// Time to first token instead of decode speed: prefill of N synthetic
-    /// prompt tokens with the tensor-core prefill kernel (issue 9).
+    /// prompt tokens with the tensor-core prefill kernel.
     #[arg(long, value_name = "N")]
     prefill: Option<usize>,
-    /// Positions per prefill launch (with --prefill).
-    #[arg(long, default_value_t = 512)]
+    /// Positions per prefill launch (with --prefill; the same default as
+    /// `generate`).
+    #[arg(long, default_value_t = qmk_gpu::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: u32,
     /// Timed prefills (median reported; with --prefill).
     #[arg(long, default_value_t = 10)]
@@ -117,7 +121,7 @@ fn bench_capacity(a: &BenchArgs) -> Result<usize> {
     let mut cap = 0usize;
     for &c in &a.context {
         let o = bench_options(a, c, 0);
-        let need = qmk_kernels::host::bench_capacity(&o)
+        let need = qmk_gpu::stats::bench_capacity(&o)
             .with_context(|| format!("--context {c} overflows"))?;
         cap = cap.max(need);
     }
@@ -135,39 +139,6 @@ fn bench_options(a: &BenchArgs, context: usize, stream_bytes: u64) -> BenchOptio
     }
 }
 
-/// What `run` needs of a backend (both bindings have these inherent
-/// methods, same semantics).
-trait Bench {
-    fn bench(&mut self, o: &BenchOptions) -> Result<BenchReport>;
-    fn profile(&mut self, o: &BenchOptions) -> Result<Vec<(String, f64)>>;
-    fn launch(&self) -> LaunchInfo;
-}
-
-impl Bench for CudarcBackend {
-    fn bench(&mut self, o: &BenchOptions) -> Result<BenchReport> {
-        Ok(CudarcBackend::bench(self, o)?)
-    }
-    fn profile(&mut self, o: &BenchOptions) -> Result<Vec<(String, f64)>> {
-        Ok(self.bench_profile(o)?)
-    }
-    fn launch(&self) -> LaunchInfo {
-        self.launch_info()
-    }
-}
-
-#[cfg(feature = "cust")]
-impl Bench for qmk_backend_cust::CustBackend {
-    fn bench(&mut self, o: &BenchOptions) -> Result<BenchReport> {
-        Ok(qmk_backend_cust::CustBackend::bench(self, o)?)
-    }
-    fn profile(&mut self, o: &BenchOptions) -> Result<Vec<(String, f64)>> {
-        Ok(self.bench_profile(o)?)
-    }
-    fn launch(&self) -> LaunchInfo {
-        self.launch_info()
-    }
-}
-
 pub fn run(a: BenchArgs) -> Result<()> {
     let cust = match a.backend.as_str() {
         "cudarc" => false,
@@ -177,9 +148,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
         ),
         other => bail!("bench supports --backend cudarc or cust (got `{other}`)"),
     };
-    if a.prefill.is_some() && cust {
-        bail!("bench --prefill supports --backend cudarc");
-    }
     let config = Config::preset(&a.preset)?;
     let say = |s: String| {
         if !a.json {
@@ -190,10 +158,17 @@ pub fn run(a: BenchArgs) -> Result<()> {
         Some(n) => n.max(1) + 1,
         None => bench_capacity(&a)?,
     };
+    let prefill_chunk = a.prefill.map(|n| a.prefill_chunk.min(n.max(1) as u32));
     // Before generating 100+ GB of weights: refuse what cannot fit.
     let gpu = crate::gpu::probe()?;
-    crate::gpu::check_fits(&config, capacity, &gpu, crate::common::available_memory())
-        .with_context(|| format!("bench --preset {}", a.preset))?;
+    crate::gpu::check_fits(
+        &config,
+        capacity,
+        prefill_chunk,
+        &gpu,
+        crate::common::available_memory(),
+    )
+    .with_context(|| format!("bench --preset {}", a.preset))?;
     say(format!(
         "generating synthetic {} weights (seed {})",
         a.preset, a.seed
@@ -204,9 +179,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
         capacity,
         cubin: a.cubin.clone(),
         ctas_per_sm: a.ctas_per_sm,
-        prefill_chunk: a.prefill.map(|n| a.prefill_chunk.min(n.max(1) as u32)),
+        prefill_chunk,
         ..Options::default()
     };
+    #[cfg(feature = "cust")]
+    if cust {
+        return run_on::<qmk_backend_cust::CustDriver>(&a, weights, opts);
+    }
+    debug_assert!(!cust);
+    run_on::<qmk_backend_cudarc::CudarcDriver>(&a, weights, opts)
+}
+
+/// Uploads `weights` through driver `D` and runs the bench `a` asks for.
+fn run_on<D: Driver>(a: &BenchArgs, weights: Weights, opts: Options) -> Result<()> {
     let bar = if a.json {
         None
     } else {
@@ -217,33 +202,26 @@ pub fn run(a: BenchArgs) -> Result<()> {
         );
         Some(b)
     };
-    #[cfg(feature = "cust")]
-    if cust {
-        let mut backend = qmk_backend_cust::CustBackend::new(&weights, opts, &mut Bar(bar))
-            .with_context(|| format!("setting up the cust backend for {}", a.preset))?;
-        drop(weights);
-        return decode(&a, &mut backend);
-    }
-    let mut backend = CudarcBackend::new(&weights, opts, &mut Bar(bar))
-        .with_context(|| format!("setting up the cudarc backend for {}", a.preset))?;
+    let mut backend = GpuBackend::<D>::new(&weights, opts, &mut Bar(bar))
+        .with_context(|| format!("setting up the {} backend for {}", D::NAME, a.preset))?;
     drop(weights);
-    if let Some(n) = a.prefill {
-        return prefill(&a, &mut backend, n);
+    match a.prefill {
+        Some(n) => prefill(a, &mut backend, n),
+        None => decode(a, &mut backend),
     }
-    decode(&a, &mut backend)
 }
 
 /// The decode bench (and `--profile`) at every `--context`.
-fn decode<B: Bench>(a: &BenchArgs, backend: &mut B) -> Result<()> {
+fn decode<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>) -> Result<()> {
     for &context in &a.context {
         let r = backend
             .bench(&bench_options(a, context, a.stream_gib << 30))
             .with_context(|| format!("bench --preset {} --context {context}", a.preset))?;
-        let l = backend.launch();
+        let l = backend.launch_info();
         let profile = if a.profile {
             let mut o = bench_options(a, context, 0);
             o.steps = a.profile_steps.clamp(1, a.steps.max(1));
-            backend.profile(&o)?
+            backend.bench_profile(&o)?
         } else {
             Vec::new()
         };
@@ -343,13 +321,13 @@ fn ab_schedule(variants: usize, rounds: usize) -> Vec<usize> {
 }
 
 /// Sets exactly `flags` as the backend's kernel flags (clears the others).
-fn set_only_flags(backend: &mut CudarcBackend, flags: u32) {
+fn set_only_flags<D: Driver>(backend: &mut GpuBackend<D>, flags: u32) {
     backend.set_kernel_flags(u32::MAX, false);
     backend.set_kernel_flags(flags, true);
 }
 
 /// `bench --prefill N`: time to first token.
-fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
+fn prefill<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>, n: usize) -> Result<()> {
     let tokens = synthetic_prompt(n, backend.config().vocab_size);
     // --kernel-flags reach the prefill kernel too (e.g. FLAG_PF_MMA_SYNC).
     backend.set_kernel_flags(a.kernel_flags, true);
@@ -404,7 +382,7 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
     let ab: Vec<(u32, Vec<f64>, f64)> = ab
         .into_iter()
         .map(|(f, v)| {
-            let m = qmk_kernels::host::median(&mut v.clone());
+            let m = median(&mut v.clone());
             (f, v, m)
         })
         .collect();
@@ -438,8 +416,8 @@ fn prefill(a: &BenchArgs, backend: &mut CudarcBackend, n: usize) -> Result<()> {
         println!("{v}");
     } else {
         println!(
-            "{} on {} (cudarc), synthetic weights, prefill of {} tokens in chunks of {} ({} launches)",
-            a.preset, r.device, r.tokens, r.chunk, r.launches
+            "{} on {} ({}), synthetic weights, prefill of {} tokens in chunks of {} ({} launches)",
+            a.preset, r.device, a.backend, r.tokens, r.chunk, r.launches
         );
         println!(
             "  time to first token {:>10.3} ms  (p10 {:.3}, p90 {:.3}, median of {})",
@@ -510,7 +488,7 @@ mod tests {
         // The largest context: warm-up at 32752..32768, timed 32768..32968.
         assert_eq!(bench_capacity(&a).unwrap(), 32768 + 200 + 1);
         let o = bench_options(&a, 32768, 1 << 30);
-        assert_eq!(qmk_kernels::host::bench_positions(&o), (32768 - 16, 216));
+        assert_eq!(qmk_gpu::stats::bench_positions(&o), (32768 - 16, 216));
         assert_eq!(o.stream_bytes, 1 << 30);
         // Default: the short-context bench from position 0.
         let a = parse(&[]);
@@ -520,6 +498,9 @@ mod tests {
         let a = parse(&["--kernel-flags", "48", "--context", "0"]);
         assert_eq!(bench_options(&a, 0, 0).flags, 48);
         assert!(T::try_parse_from(["bench", "--context", "x"]).is_err());
+        // `bench --prefill N` chunks the prompt as `generate` does.
+        assert_eq!(parse(&["--prefill", "2048"]).prefill_chunk, 2048);
+        assert_eq!(parse(&[]).prefill_chunk, qmk_gpu::DEFAULT_PREFILL_CHUNK);
     }
 
     #[test]
@@ -538,7 +519,7 @@ mod tests {
             121,
             &launch,
         );
-        let kv = qmk_kernels::host::bench_kv_bytes(&config, 8192, 200);
+        let kv = qmk_gpu::stats::bench_kv_bytes(&config, 8192, 200);
         assert_eq!(r.kv_bytes, kv);
         assert_eq!(r.bytes_per_step, 1_000_000 + kv);
         let v = report_json(&a, &r, &launch, &[("full".into(), 250.0)]);

@@ -64,7 +64,7 @@ pub struct RunArgs {
 
     /// GPU backends: prompt positions per launch of the tensor-core prefill
     /// kernel (clamped to the context).
-    #[arg(long, value_name = "POSITIONS", default_value_t = qmk_kernels::host::DEFAULT_PREFILL_CHUNK,
+    #[arg(long, value_name = "POSITIONS", default_value_t = qmk_gpu::DEFAULT_PREFILL_CHUNK,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub prefill_chunk: u32,
 
@@ -352,7 +352,8 @@ pub fn open_backend(
     }
     if let Target::Gpu(kind, info) = &target {
         // Before loading anything: a model that cannot fit is refused here.
-        gpu::check_fits(&model.config, capacity, info, None)
+        let chunk = (!run.no_batched_prefill).then_some(run.prefill_chunk);
+        gpu::check_fits(&model.config, capacity, chunk, info, None)
             .map_err(|e| anyhow!("--backend {}: {e}", kind.name()))?;
     }
     let weights = model.load_weights(ui)?;

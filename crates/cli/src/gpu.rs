@@ -1,14 +1,16 @@
 //! GPU discovery and the GPU backends, behind one function each.
 //!
 //! [`probe`] asks the CUDA driver (loaded at run time, so this works on
-//! machines without CUDA) whether a device exists. [`open`] builds a GPU
-//! backend; it is the single place where the cudarc and cust backends are
-//! wired into the CLI.
+//! machines without CUDA) whether a device exists. [`check_fits`] sizes the
+//! run with the backend's own memory plan before anything is loaded.
+//! [`open`] builds a GPU backend; it is the single place where the cudarc
+//! and cust drivers are wired into the CLI.
 
 use std::path::Path;
 use std::sync::Arc;
 
 use qmk_engine::BackendKind;
+use qmk_gpu::{Driver, GpuBackend, MemoryPlan, Options};
 use qmk_model::Weights;
 
 use crate::backend::AnyBackend;
@@ -19,6 +21,8 @@ use crate::ui::Ui;
 pub struct GpuInfo {
     pub name: String,
     pub total_mem: u64,
+    /// Streaming multiprocessors (the grid the memory plan is sized for).
+    pub sms: u32,
 }
 
 /// Why no GPU backend can run here. The message is shown to the user.
@@ -58,6 +62,7 @@ pub fn probe() -> Result<GpuInfo, GpuError> {
         Ok(d) => Ok(GpuInfo {
             name: d.name,
             total_mem: d.total_mem,
+            sms: d.sms,
         }),
         Err(e) => Err(GpuError::NoGpu(crate::common::flatten(&e))),
     }
@@ -66,10 +71,10 @@ pub fn probe() -> Result<GpuInfo, GpuError> {
 /// Builds the GPU backend `kind` over `weights` with a KV cache of
 /// `capacity` positions (loading `cubin` instead of compiling when given),
 /// showing kernel compilation (a spinner) and the weight upload (a byte
-/// bar) through `ui`. A request that cannot fit in the device's memory is
-/// refused before anything is allocated. `prefill_chunk`: positions per
-/// launch of the tensor-core prefill kernel (`None`: one decode step per
-/// prompt token).
+/// bar) through `ui`. The backend refuses, before its first allocation, a
+/// memory plan the device cannot hold. `prefill_chunk`: positions per
+/// launch of the tensor-core prefill kernel (`None`: decode steps for the
+/// prompt).
 pub fn open(
     kind: BackendKind,
     gpu: &GpuInfo,
@@ -79,67 +84,18 @@ pub fn open(
     prefill_chunk: Option<u32>,
     ui: &Ui,
 ) -> Result<AnyBackend, GpuError> {
-    let need = weights_bytes(weights) as u128 + kv_bytes(&weights.config, capacity);
-    if gpu.total_mem > 0 && need > gpu.total_mem as u128 {
-        return Err(GpuError::OutOfMemory {
-            device: gpu.name.clone(),
-            what: format!("the weights and a KV cache of {capacity} positions"),
-            need_gib: need as f64 / GIB,
-            have_gib: gpu.total_mem as f64 / GIB,
-        });
-    }
+    let opts = Options {
+        capacity,
+        cubin: cubin.map(Path::to_path_buf),
+        prefill_chunk,
+        ..Default::default()
+    };
     match kind {
         BackendKind::Cudarc => {
-            let opts = qmk_backend_cudarc::Options {
-                capacity,
-                cubin: cubin.map(Path::to_path_buf),
-                prefill_chunk,
-                ..Default::default()
-            };
-            let mut bars = Bars::new(ui);
-            let made = qmk_backend_cudarc::CudarcBackend::new(weights, opts, &mut bars);
-            bars.done();
-            match made {
-                Ok(b) => Ok(AnyBackend::new(b)),
-                Err(qmk_backend_cudarc::Error::OutOfMemory {
-                    what,
-                    needed,
-                    available,
-                }) => Err(GpuError::OutOfMemory {
-                    device: gpu.name.clone(),
-                    what,
-                    need_gib: needed as f64 / GIB,
-                    have_gib: available as f64 / GIB,
-                }),
-                Err(e) => Err(GpuError::Other(crate::common::flatten(&e))),
-            }
+            open_with::<qmk_backend_cudarc::CudarcDriver>(gpu, weights, opts, ui)
         }
         #[cfg(feature = "cust")]
-        BackendKind::Cust => {
-            let opts = qmk_backend_cust::Options {
-                capacity,
-                cubin: cubin.map(Path::to_path_buf),
-                prefill_chunk,
-                ..Default::default()
-            };
-            let mut bars = CustBars(Bars::new(ui));
-            let made = qmk_backend_cust::CustBackend::new(weights, opts, &mut bars);
-            bars.0.done();
-            match made {
-                Ok(b) => Ok(AnyBackend::new(b)),
-                Err(qmk_backend_cust::Error::OutOfMemory {
-                    what,
-                    needed,
-                    available,
-                }) => Err(GpuError::OutOfMemory {
-                    device: gpu.name.clone(),
-                    what,
-                    need_gib: needed as f64 / GIB,
-                    have_gib: available as f64 / GIB,
-                }),
-                Err(e) => Err(GpuError::Other(crate::common::flatten(&e))),
-            }
-        }
+        BackendKind::Cust => open_with::<qmk_backend_cust::CustDriver>(gpu, weights, opts, ui),
         #[cfg(not(feature = "cust"))]
         BackendKind::Cust => Err(GpuError::NoCustFeature),
         BackendKind::Cpu => Err(GpuError::Other(
@@ -148,30 +104,62 @@ pub fn open(
     }
 }
 
+fn open_with<D: Driver + 'static>(
+    gpu: &GpuInfo,
+    weights: &Weights,
+    opts: Options,
+    ui: &Ui,
+) -> Result<AnyBackend, GpuError> {
+    let mut bars = Bars::new(ui);
+    let made = GpuBackend::<D>::new(weights, opts, &mut bars);
+    bars.done();
+    match made {
+        Ok(b) => Ok(AnyBackend::new(b)),
+        Err(qmk_gpu::Error::OutOfMemory {
+            what,
+            needed,
+            available,
+        }) => Err(GpuError::OutOfMemory {
+            device: gpu.name.clone(),
+            what,
+            need_gib: needed as f64 / GIB,
+            have_gib: available as f64 / GIB,
+        }),
+        Err(e) => Err(GpuError::Other(crate::common::flatten(&e))),
+    }
+}
+
 const GIB: f64 = (1u64 << 30) as f64;
 
 /// Refuses, before any weight is loaded, generated or uploaded, a model
-/// whose weights + KV cache of `capacity` positions cannot fit the device
-/// (`gpu.total_mem`, an upper bound of what a context can allocate), or
-/// whose weights cannot be staged in host memory (`host_available`).
-/// The message gives the bytes needed and available.
+/// whose memory plan (weights, a KV cache of `capacity` positions, the
+/// scratch, the prefill kernel's scratch for `prefill_chunk`) cannot fit the
+/// device (`gpu.total_mem`, an upper bound of what a context can allocate),
+/// or whose weights cannot be staged in host memory (`host_available`).
+/// The plan is the backend's own ([`MemoryPlan::new`]) for a grid of one
+/// CTA per SM (the grid-sized scratch is a few MB, so the occupancy barely
+/// moves the total). The message gives the bytes needed and available.
 pub fn check_fits(
     config: &qmk_model::Config,
     capacity: usize,
+    prefill_chunk: Option<u32>,
     gpu: &GpuInfo,
     host_available: Option<u128>,
 ) -> Result<(), GpuError> {
-    let weights = qmk_model::weight_bytes(config)
-        .map_err(|e| GpuError::Other(e.to_string()))?
-        .total
-        .0 as u128;
-    let kv = kv_bytes(config, capacity);
-    let need = weights + kv;
+    let cap = u32::try_from(capacity)
+        .map_err(|_| GpuError::Other(format!("a context of {capacity} positions is too long")))?;
+    let chunk = qmk_gpu::plan::clamp_prefill_chunk(prefill_chunk, cap);
+    let plan = MemoryPlan::new(config, cap, gpu.sms.max(1), chunk)
+        .map_err(|e| GpuError::Other(e.to_string()))?;
+    let weights = plan.weight_bytes as u128;
+    let need = plan.total_bytes as u128;
     if gpu.total_mem > 0 && need > gpu.total_mem as u128 {
         return Err(GpuError::DoesNotFit {
             device: gpu.name.clone(),
             what: format!(
-                "the weights ({weights} bytes) and a KV cache of {capacity} positions ({kv} bytes)"
+                "the weights ({weights} bytes), a KV cache of {capacity} positions ({} bytes) and \
+                 scratch",
+                2 * plan.kv_cache_bytes
             ),
             need,
             have: gpu.total_mem as u128,
@@ -190,11 +178,6 @@ pub fn check_fits(
         }
     }
     Ok(())
-}
-
-/// Bytes of a bf16 KV cache: layers x (K + V) x kv_dim x capacity.
-fn kv_bytes(c: &qmk_model::Config, capacity: usize) -> u128 {
-    c.num_hidden_layers as u128 * 2 * c.kv_dim() as u128 * 2 * capacity as u128
 }
 
 /// Kernel compilation (a spinner until the upload starts), then the weight
@@ -220,7 +203,7 @@ impl Bars {
     }
 }
 
-impl qmk_backend_cudarc::Progress for Bars {
+impl qmk_gpu::Progress for Bars {
     fn begin(&mut self, what: &str, total_bytes: u64) {
         Bars::begin(self, what, total_bytes);
     }
@@ -230,42 +213,6 @@ impl qmk_backend_cudarc::Progress for Bars {
     fn finish(&mut self) {
         self.bar.finish_and_clear();
     }
-}
-
-/// The same bars behind the cust backend's progress trait.
-#[cfg(feature = "cust")]
-struct CustBars(Bars);
-
-#[cfg(feature = "cust")]
-impl qmk_backend_cust::Progress for CustBars {
-    fn begin(&mut self, what: &str, total_bytes: u64) {
-        self.0.begin(what, total_bytes);
-    }
-    fn advance(&mut self, bytes: u64) {
-        self.0.bar.inc(bytes);
-    }
-    fn finish(&mut self) {
-        self.0.bar.finish_and_clear();
-    }
-}
-
-fn weights_bytes(w: &Weights) -> u64 {
-    let n = w.embed_tokens.len()
-        + w.lm_head.as_ref().map_or(0, Vec::len)
-        + w.input_layernorm.len()
-        + w.q_proj.len()
-        + w.q_bias.len()
-        + w.k_proj.len()
-        + w.k_bias.len()
-        + w.v_proj.len()
-        + w.v_bias.len()
-        + w.o_proj.len()
-        + w.post_attention_layernorm.len()
-        + w.gate_proj.len()
-        + w.up_proj.len()
-        + w.down_proj.len()
-        + w.norm.len();
-    n as u64 * 2
 }
 
 #[cfg(test)]
@@ -278,6 +225,7 @@ mod tests {
         GpuInfo {
             name: "NVIDIA H200".into(),
             total_mem: 150_109_880_320,
+            sms: 132,
         }
     }
     const HOST_AVAILABLE: u128 = 134_555_975_680;
@@ -287,14 +235,14 @@ mod tests {
         let c = qmk_model::Config::preset("72b").unwrap();
         // Short context: the weights (145.41 GB) fit the device but cannot be
         // staged in this host's memory.
-        let e = check_fits(&c, 4096, &h200(), Some(HOST_AVAILABLE)).unwrap_err();
+        let e = check_fits(&c, 4096, Some(2048), &h200(), Some(HOST_AVAILABLE)).unwrap_err();
         let msg = e.to_string();
         assert!(matches!(e, GpuError::DoesNotFit { .. }), "{msg}");
         assert!(msg.contains("145412407296 bytes"), "{msg}");
         assert!(msg.contains("134555975680 bytes"), "{msg}");
         assert!(msg.contains("host memory"), "{msg}");
         // A long context no longer fits the device itself.
-        let e = check_fits(&c, 40_000, &h200(), None)
+        let e = check_fits(&c, 40_000, Some(2048), &h200(), None)
             .unwrap_err()
             .to_string();
         assert!(
@@ -307,7 +255,7 @@ mod tests {
     fn models_that_fit_pass() {
         for p in ["0.5b", "7b", "14b", "32b"] {
             let c = qmk_model::Config::preset(p).unwrap();
-            check_fits(&c, 4096, &h200(), Some(HOST_AVAILABLE))
+            check_fits(&c, 4096, Some(2048), &h200(), Some(HOST_AVAILABLE))
                 .unwrap_or_else(|e| panic!("{p}: {e}"));
         }
     }

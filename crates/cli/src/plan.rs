@@ -45,7 +45,7 @@ struct MemoryNeed {
 const PLAN_GRID: u32 = 132;
 
 fn memory_need(config: &Config, context: u32) -> Result<MemoryNeed> {
-    let m = qmk_kernels::host::MemoryPlan::sizes(config, context, PLAN_GRID)
+    let m = qmk_gpu::MemoryPlan::sizes(config, context, PLAN_GRID, None)
         .context("sizing device memory")?;
     let kv = m
         .kv_cache_bytes

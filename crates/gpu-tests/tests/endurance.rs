@@ -1,26 +1,18 @@
-//! Endurance tests of both CUDA backends (issue 10, part 5): 10,000 decode
+//! Endurance tests on both drivers: 10,000 decode
 //! steps without drift in tok/s, 100 create/drop cycles with device memory
 //! back to its starting value, and two engines on one GPU at once, each
 //! matching the CPU reference. Each skips with a printed reason without a
-//! GPU. On the GPU machine: `endurance-tests --test-threads=1 --nocapture`
-//! (scripts/gpu/harden.sh); about 25-35 s per backend.
+//! GPU. On the GPU machine: `endurance-<hash> --test-threads=1 --nocapture`;
+//! about 25-35 s per driver.
 
-#[macro_use]
-mod common;
-#[macro_use]
-#[path = "common/hooks.rs"]
-mod hooks;
-use common::*;
-use hooks::*;
+use qmk_gpu_tests::*;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use cust::context::{Context, CurrentContext};
-use cust::device::Device;
-use cust::memory::mem_get_info;
-use qmk_kernels::host::GpuOptions;
+use qmk_engine::Backend;
+use qmk_gpu::{Driver, GpuBackend, Options};
 use qmk_kernels::{Compiler, KernelBuild};
 use qmk_model::reference::{Reference, ReferenceOptions};
 use qmk_model::Weights;
@@ -34,7 +26,7 @@ const WINDOWS: usize = 10;
 /// Slowest window allowed, relative to the median of windows 0 and 1.
 /// A 1,000-step window of 0.5B is ~0.7 s of device time between two events;
 /// the bench's step medians repeat within ~0.5 % run to run and the two
-/// backends agree within 0.1 % (NOTES.md); SM clock steps under the H200's
+/// drivers agree within 0.1 % (`docs/performance.md`); SM clock steps under the H200's
 /// boost policy are ~1-2 %. 5 % is above that noise and below what a leak
 /// (a growing counter, a slower barrier, a buffer re-allocated per step)
 /// costs once it is visible at all.
@@ -54,16 +46,17 @@ const PROMPT: [u32; 8] = [9707, 11, 1879, 0, 3555, 374, 279, 6722];
 /// host only launches), device-timed; no window slower than the first two
 /// by more than [`DRIFT_BOUND`], and every window ends on the same token
 /// (same work, same result: no state leaks from one window to the next).
-fn no_drift_over_10k_steps<B: Hooks>() {
-    let test = format!("no_drift_over_10k_steps {}", B::NAME);
+fn no_drift_over_10k_steps<D: Driver>() {
+    let test = format!("no_drift_over_10k_steps {}", D::NAME);
     let Some(_g) = gpu_or_skip(&test) else { return };
     let w = weights("0.5b");
-    let opts = GpuOptions {
+    let opts = Options {
         capacity: WINDOW,
         ..Default::default()
     };
-    let mut b = B::open(&w, opts).unwrap_or_else(|e| panic!("{test}: open: {e}"));
-    println!("{}", b.describe());
+    let mut b =
+        GpuBackend::<D>::new(&w, opts, &mut ()).unwrap_or_else(|e| panic!("{test}: open: {e}"));
+    println!("{}", describe(&b));
     // Warm-up (clocks, caches, lazy driver state): not counted.
     b.timed_steps(PROMPT[0], 0, 100).unwrap();
     let t = Instant::now();
@@ -107,42 +100,42 @@ fn no_drift_over_10k_steps<B: Hooks>() {
 
 /// Free device memory as the driver reports it (cuMemGetInfo), with the
 /// test's own retained primary context current.
-fn free_mem(ctx: &Context) -> i64 {
-    CurrentContext::set_current(ctx).unwrap();
-    mem_get_info().unwrap().0 as i64
+fn free_mem<D: Driver>(ctx: &D) -> i64 {
+    ctx.bind().unwrap();
+    ctx.mem_info().unwrap().0 as i64
 }
 
 /// 100 create/drop cycles with the same host weights: free device memory
 /// ends within [`MEM_TOLERANCE`] of where it was after the first cycle.
 /// The test holds its own reference to the device's primary context (both
-/// backends use the primary context), so the context itself is not torn
+/// drivers use the primary context), so the context itself is not torn
 /// down and rebuilt between cycles and cuMemGetInfo always has a context.
-fn create_drop_cycles<B: Hooks>() {
-    let test = format!("create_drop_cycles {}", B::NAME);
+fn create_drop_cycles<D: Driver>() {
+    let test = format!("create_drop_cycles {}", D::NAME);
     let Some(_g) = gpu_or_skip(&test) else { return };
     let w = weights("0.5b");
-    let ctx = Context::new(Device::get_device(0).unwrap()).unwrap();
+    let ctx = D::open(0).unwrap();
     // One cubin file for every cycle (what `qwen-mk compile` writes), so a
     // cycle is the engine's own work: module load, allocations, upload,
     // one step, and the frees.
-    let arch = qmk_backend_cust::device_info(0).unwrap().arch;
+    let arch = qmk_gpu::device_info::<D>(0).unwrap().arch;
     let cubin = std::env::temp_dir().join(format!(
         "qmk-cycles-{}-{}.cubin",
-        B::NAME,
+        D::NAME,
         std::process::id()
     ));
     Compiler::new()
         .and_then(|c| c.compile(&KernelBuild::new(&w.config)?, arch))
         .and_then(|c| c.write(&cubin))
         .unwrap_or_else(|e| panic!("{test}: compiling the cubin: {e}"));
-    let opts = GpuOptions {
+    let opts = Options {
         capacity: 256,
         cubin: Some(cubin.clone()),
         ..Default::default()
     };
     let open = |i: usize| {
-        let mut b =
-            B::open(&w, opts.clone()).unwrap_or_else(|e| panic!("{test}: cycle {i}: open: {e}"));
+        let mut b = GpuBackend::<D>::new(&w, opts.clone(), &mut ())
+            .unwrap_or_else(|e| panic!("{test}: cycle {i}: open: {e}"));
         // Used, not just created: one step per engine.
         b.step(PROMPT[0], 0)
             .unwrap_or_else(|e| panic!("{test}: cycle {i}: step: {e}"));
@@ -224,8 +217,8 @@ fn reference_ids(w: &Arc<Weights>, prompt: &[u32], greedy: usize) -> Vec<u32> {
 /// `Send`): each engine's picks equal the CPU reference's for its own
 /// prompt over 4 prompt + 16 greedy steps (different prompts, so state
 /// crossing between the engines would show).
-fn two_engines_at_once<B: Hooks>() {
-    let test = format!("two_engines_at_once {}", B::NAME);
+fn two_engines_at_once<D: Driver>() {
+    let test = format!("two_engines_at_once {}", D::NAME);
     let Some(_g) = gpu_or_skip(&test) else { return };
     let w = weights("0.5b");
     let greedy = 16;
@@ -235,13 +228,14 @@ fn two_engines_at_once<B: Hooks>() {
         .map(|p| reference_ids(&w, p, greedy))
         .collect();
     let n = prompts[0].len() + greedy;
-    let opts = GpuOptions {
+    let opts = Options {
         capacity: n,
         ..Default::default()
     };
     let mut engines = [
-        B::open(&w, opts.clone()).unwrap_or_else(|e| panic!("{test}: open A: {e}")),
-        B::open(&w, opts).unwrap_or_else(|e| panic!("{test}: open B: {e}")),
+        GpuBackend::<D>::new(&w, opts.clone(), &mut ())
+            .unwrap_or_else(|e| panic!("{test}: open A: {e}")),
+        GpuBackend::<D>::new(&w, opts, &mut ()).unwrap_or_else(|e| panic!("{test}: open B: {e}")),
     ];
     let mut got = [Vec::new(), Vec::new()];
     let mut tok = [prompts[0][0], prompts[1][0]];

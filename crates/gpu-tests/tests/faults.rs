@@ -1,5 +1,5 @@
-//! Fault tests of both CUDA backends (issue 10, part 4), the sanitizer
-//! target (part 3) and the wrong-arch cubin (part 1's missing row).
+//! Fault tests on both drivers: a hang, an illegal address, the sanitizer
+//! target and a cubin for another architecture.
 //!
 //! A hang or an illegal address must not take the test process down with
 //! it, so each fault runs in a child process: the parent test re-executes
@@ -9,22 +9,16 @@
 //! normal `cargo test` runs only the parents, which skip with a printed
 //! reason where there is no GPU.
 //!
-//! On the GPU machine: `faults-tests --test-threads=1 --nocapture`
-//! (scripts/gpu/harden.sh).
+//! On the GPU machine: `faults-<hash> --test-threads=1 --nocapture`.
 
-#[macro_use]
-mod common;
-#[macro_use]
-#[path = "common/hooks.rs"]
-mod hooks;
-use common::*;
-use hooks::*;
+use qmk_engine::Backend;
+use qmk_gpu_tests::*;
 
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use qmk_kernels::host::GpuOptions;
+use qmk_gpu::{Driver, Error, GpuBackend, Options};
 use qmk_kernels::{Arch, Compiler, KernelBuild};
 use qmk_model::reference::{Reference, ReferenceOptions};
 use qmk_model::{synthetic_weights, Config, Weights};
@@ -72,22 +66,23 @@ fn run_child(test: &str, child: &str) -> Option<(Option<i32>, String)> {
 /// Child: a CTA that skips its first barrier arrival (FLAG_DEBUG_HANG) is a
 /// typed kernel error within the spin budget, and a typed timeout within
 /// the host deadline when the spin budget is long; reset() recovers.
-fn hang_child<B: Hooks>() {
-    let me = format!("hang_child::{}", B::NAME);
+fn hang_child<D: Driver>() {
+    let me = format!("hang_child::{}", D::NAME);
     if !is_child(&me) {
         println!(
             "{me}: runs only as the child of hang_is_bounded::{}",
-            B::NAME
+            D::NAME
         );
         return;
     }
     let w = weights("0.5b");
-    let opts = GpuOptions {
+    let opts = Options {
         capacity: 64,
         ..Default::default()
     };
-    let mut b = B::open(&w, opts).unwrap_or_else(|e| panic!("{me}: open: {e}"));
-    println!("{}", b.describe());
+    let mut b =
+        GpuBackend::<D>::new(&w, opts, &mut ()).unwrap_or_else(|e| panic!("{me}: open: {e}"));
+    println!("{}", describe(&b));
     let first = b.step(PROMPT[0], 0).unwrap().argmax;
     b.reset().unwrap();
 
@@ -98,7 +93,7 @@ fn hang_child<B: Hooks>() {
     let el = t.elapsed();
     println!("CHILD hang, spin budget 20 ms: error after {el:?}: {e}");
     assert!(
-        B::is_kernel_error(&e),
+        matches!(e, Error::Kernel { .. }),
         "{me}: expected a kernel error: {e:?}"
     );
     assert!(
@@ -115,7 +110,10 @@ fn hang_child<B: Hooks>() {
     let e = b.step(PROMPT[0], 0).unwrap_err();
     let el = t.elapsed();
     println!("CHILD hang, host deadline 200 ms: error after {el:?}: {e}");
-    assert!(B::is_timeout(&e), "{me}: expected a timeout: {e:?}");
+    assert!(
+        matches!(e, Error::Timeout { .. }),
+        "{me}: expected a timeout: {e:?}"
+    );
     assert!(e.to_string().contains("200 ms"), "{me}: {e}");
     assert!(
         el >= deadline && el < deadline + HANG_BOUND,
@@ -130,19 +128,19 @@ fn hang_child<B: Hooks>() {
     assert_eq!(b.step(PROMPT[0], 0).unwrap().argmax, first);
     println!(
         "CHILD-OK hang {}: spin budget and host deadline both typed errors within {HANG_BOUND:?}; reset recovers",
-        B::NAME
+        D::NAME
     );
 }
 
 /// Parent of [`hang_child`].
-fn hang_is_bounded<B: Hooks>() {
-    let test = format!("hang_is_bounded {}", B::NAME);
-    let Some((code, out)) = run_child(&test, &format!("hang_child::{}", B::NAME)) else {
+fn hang_is_bounded<D: Driver>() {
+    let test = format!("hang_is_bounded {}", D::NAME);
+    let Some((code, out)) = run_child(&test, &format!("hang_child::{}", D::NAME)) else {
         return;
     };
     assert_eq!(code, Some(0), "{test}: the child failed (output above)");
     assert!(
-        out.contains(&format!("CHILD-OK hang {}", B::NAME)),
+        out.contains(&format!("CHILD-OK hang {}", D::NAME)),
         "{test}: the child did not run its checks (output above)"
     );
 }
@@ -151,19 +149,20 @@ fn hang_is_bounded<B: Hooks>() {
 /// once as a sticky error naming the CUDA error; every later call is refused
 /// with the same "unusable" report, without a driver call or a panic; the
 /// engine drops cleanly and the process exits 0.
-fn oob_child<B: Hooks>() {
-    let me = format!("oob_child::{}", B::NAME);
+fn oob_child<D: Driver>() {
+    let me = format!("oob_child::{}", D::NAME);
     if !is_child(&me) {
-        println!("{me}: runs only as the child of oob_is_sticky::{}", B::NAME);
+        println!("{me}: runs only as the child of oob_is_sticky::{}", D::NAME);
         return;
     }
     let w = weights("0.5b");
-    let opts = GpuOptions {
+    let opts = Options {
         capacity: 64,
         ..Default::default()
     };
-    let mut b = B::open(&w, opts).unwrap_or_else(|e| panic!("{me}: open: {e}"));
-    println!("{}", b.describe());
+    let mut b =
+        GpuBackend::<D>::new(&w, opts, &mut ()).unwrap_or_else(|e| panic!("{me}: open: {e}"));
+    println!("{}", describe(&b));
     b.step(PROMPT[0], 0).unwrap();
 
     b.set_debug_oob(true);
@@ -171,7 +170,7 @@ fn oob_child<B: Hooks>() {
     let e1 = b.step(PROMPT[1], 1).unwrap_err();
     println!("CHILD oob, first error after {:?}: {e1}", t.elapsed());
     let m1 = e1.to_string();
-    assert!(B::is_unusable(&e1), "{me}: expected Unusable: {e1:?}");
+    assert!(e1.is_unusable(), "{me}: expected Unusable: {e1:?}");
     assert!(
         m1.contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
         "{me}: the error does not name the CUDA error: {m1}"
@@ -184,7 +183,7 @@ fn oob_child<B: Hooks>() {
     let e2 = b.step(PROMPT[1], 1).unwrap_err();
     let el = t.elapsed();
     println!("CHILD oob, next step refused after {el:?}: {e2}");
-    assert!(B::is_unusable(&e2), "{me}: {e2:?}");
+    assert!(e2.is_unusable(), "{me}: {e2:?}");
     assert_eq!(
         e2.to_string(),
         m1,
@@ -197,22 +196,22 @@ fn oob_child<B: Hooks>() {
     let e3 = b.logits().unwrap_err();
     let e4 = b.reset().unwrap_err();
     for e in [&e3, &e4] {
-        assert!(B::is_unusable(e), "{me}: {e:?}");
+        assert!(e.is_unusable(), "{me}: {e:?}");
         assert_eq!(e.to_string(), m1, "{me}");
     }
     println!("CHILD oob, logits() and reset() refused the same way");
     drop(b);
     println!(
         "CHILD-OK oob {}: sticky error reported once, later calls refused, dropped cleanly",
-        B::NAME
+        D::NAME
     );
 }
 
 /// Parent of [`oob_child`]: also checks the process exit and that no panic
 /// happened (in drop or anywhere else).
-fn oob_is_sticky<B: Hooks>() {
-    let test = format!("oob_is_sticky {}", B::NAME);
-    let Some((code, out)) = run_child(&test, &format!("oob_child::{}", B::NAME)) else {
+fn oob_is_sticky<D: Driver>() {
+    let test = format!("oob_is_sticky {}", D::NAME);
+    let Some((code, out)) = run_child(&test, &format!("oob_child::{}", D::NAME)) else {
         return;
     };
     assert!(!out.contains("panicked"), "{test}: the child panicked");
@@ -222,25 +221,25 @@ fn oob_is_sticky<B: Hooks>() {
         "{test}: the child did not exit cleanly (output above)"
     );
     assert!(
-        out.contains(&format!("CHILD-OK oob {}", B::NAME)),
+        out.contains(&format!("CHILD-OK oob {}", D::NAME)),
         "{test}: the child did not run its checks (output above)"
     );
 }
 
-/// The sanitizer target (scripts/gpu/harden.sh runs it under
-/// compute-sanitizer memcheck, racecheck, synccheck and initcheck): a
+/// The sanitizer target (the GPU script runs it under compute-sanitizer
+/// memcheck, racecheck, synccheck and initcheck): a
 /// 17-token prompt through the tensor-core prefill in chunks of 16 (two
 /// launches), then 3 greedy decode steps, at 0.5B shapes; the ids must be
 /// the CPU reference's. `QMK_TEST_SPIN_S` / `QMK_TEST_DEADLINE_S` raise the
 /// spin budget and host deadline (sanitizers slow kernels 10-100x).
-fn sanitize_target<B: Hooks>() {
-    let test = format!("sanitize_target {}", B::NAME);
+fn sanitize_target<D: Driver>() {
+    let test = format!("sanitize_target {}", D::NAME);
     let Some(_g) = gpu_or_skip(&test) else { return };
     let w = sanitize_weights(&test);
     let prompt: Vec<u32> = PROMPT.iter().chain(&PROMPT).chain(&[13]).copied().collect();
     let steps = 3;
     let capacity = 32;
-    let opts = GpuOptions {
+    let opts = Options {
         capacity,
         prefill_chunk: Some(16),
         // Every prompt through the prefill kernel (the default sends short
@@ -250,10 +249,11 @@ fn sanitize_target<B: Hooks>() {
         step_deadline: env_secs("QMK_TEST_DEADLINE_S", Duration::from_secs(30)),
         ..Default::default()
     };
-    let mut b = B::open(&w, opts).unwrap_or_else(|e| panic!("{test}: open: {e}"));
-    println!("{}", b.describe());
+    let mut b =
+        GpuBackend::<D>::new(&w, opts, &mut ()).unwrap_or_else(|e| panic!("{test}: open: {e}"));
+    println!("{}", describe(&b));
     assert_eq!(
-        b.prefill_chunk(),
+        b.prefill_launch().map(|(_, chunk)| chunk),
         Some(16),
         "{test}: the prefill kernel is off"
     );
@@ -302,39 +302,40 @@ fn sanitize_weights(test: &str) -> Arc<Weights> {
     }
 }
 
-/// Child, run by harden.sh under memcheck only: the OOB hook must be caught
+/// Child, run by the GPU script under memcheck only: the OOB hook must be caught
 /// (proves that the sanitizer run can fail). Its own check is only that the
 /// step fails and the engine is unusable.
-fn sanitize_oob_child<B: Hooks>() {
-    let me = format!("sanitize_oob_child::{}", B::NAME);
+fn sanitize_oob_child<D: Driver>() {
+    let me = format!("sanitize_oob_child::{}", D::NAME);
     if !is_child(&me) {
-        println!("{me}: runs only under harden.sh (memcheck)");
+        println!("{me}: runs only under compute-sanitizer memcheck (the GPU script)");
         return;
     }
     let Some(_g) = gpu_or_skip(&me) else { return };
     let w = weights("0.5b");
-    let opts = GpuOptions {
+    let opts = Options {
         capacity: 32,
         spin_timeout: env_secs("QMK_TEST_SPIN_S", Duration::from_secs(2)),
         step_deadline: env_secs("QMK_TEST_DEADLINE_S", Duration::from_secs(30)),
         ..Default::default()
     };
-    let mut b = B::open(&w, opts).unwrap_or_else(|e| panic!("{me}: open: {e}"));
+    let mut b =
+        GpuBackend::<D>::new(&w, opts, &mut ()).unwrap_or_else(|e| panic!("{me}: open: {e}"));
     b.step(PROMPT[0], 0).unwrap();
     b.set_debug_oob(true);
     let e = b.step(PROMPT[1], 1).unwrap_err();
-    println!("SANITIZE-OOB {}: {e}", B::NAME);
-    assert!(B::is_unusable(&e), "{me}: {e:?}");
+    println!("SANITIZE-OOB {}: {e}", D::NAME);
+    assert!(e.is_unusable(), "{me}: {e:?}");
 }
 
-/// Part 1's missing row: a cubin built for another architecture (sm_80 on
+/// A cubin built for another architecture (sm_80 on
 /// an sm_90 device, sm_90 on an sm_8x one) is a typed `CubinArch` error
 /// naming both architectures and the file, not a crash. The driver does not
 /// run SASS across major versions (CUDA_ERROR_NO_BINARY_FOR_GPU, 209).
-fn wrong_arch_cubin<B: Hooks>() {
-    let test = format!("wrong_arch_cubin {}", B::NAME);
+fn wrong_arch_cubin<D: Driver>() {
+    let test = format!("wrong_arch_cubin {}", D::NAME);
     let Some(_g) = gpu_or_skip(&test) else { return };
-    let info = qmk_backend_cust::device_info(0).unwrap();
+    let info = qmk_gpu::device_info::<D>(0).unwrap();
     let other = if info.arch.0 / 10 == 8 {
         Arch(90)
     } else {
@@ -347,16 +348,16 @@ fn wrong_arch_cubin<B: Hooks>() {
         .unwrap_or_else(|e| panic!("{test}: compiling for {other}: {e}"));
     let path = std::env::temp_dir().join(format!(
         "qmk-wrong-arch-{other}-{}-{}.cubin",
-        B::NAME,
+        D::NAME,
         std::process::id()
     ));
     cubin.write(&path).unwrap();
-    let opts = GpuOptions {
+    let opts = Options {
         capacity: 16,
         cubin: Some(path.clone()),
         ..Default::default()
     };
-    let r = B::open(&w, opts).map(|_| ());
+    let r = GpuBackend::<D>::new(&w, opts, &mut ()).map(|_| ());
     let _ = std::fs::remove_file(&path);
     let e = r.expect_err("a cubin for another arch must not load");
     let m = e.to_string();
@@ -364,7 +365,10 @@ fn wrong_arch_cubin<B: Hooks>() {
         "{test}: {} cubin on {} ({}): {m}",
         other, info.name, info.arch
     );
-    assert!(B::is_cubin_arch(&e), "{test}: expected CubinArch: {e:?}");
+    assert!(
+        matches!(e, Error::CubinArch { .. }),
+        "{test}: expected CubinArch: {e:?}"
+    );
     for needle in [
         other.to_string(),
         info.arch.to_string(),

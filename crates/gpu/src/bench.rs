@@ -1,49 +1,33 @@
-//! The bandwidth floor, the decode benchmark (DESIGN.md section 4) and the
-//! host overhead of one launch; same method as the cudarc backend's, with
-//! the statistics from [`qmk_kernels::host`].
+//! The bandwidth floor, the decode and prefill benchmarks, the profile and
+//! the host overhead of one launch (`docs/performance.md` has the method).
+//!
+//! Floor: bytes one step must move (every weight but the embedding table,
+//! one embedding row, the KV cache read and write) over the bandwidth a
+//! streaming-read kernel from the same cubin measures in the same run.
 
+use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
-use cust::context::CurrentContext;
-use cust::event::Event;
-use cust::memory::mem_get_info;
 use qmk_engine::Backend as _;
-use qmk_kernels::host::{bench_positions, median, BenchOptions, BenchReport, KV_FILL_BF16};
-use qmk_kernels::{StreamParams, FLAG_TOKEN_FROM_ARGMAX};
+use qmk_kernels::{StreamParams, FLAG_TOKEN_FROM_ARGMAX, THREADS_PER_CTA};
 
-use crate::backend::{occupancy, CustBackend};
-use crate::error::{check, cu, Error, Result};
-use crate::mem::{addr, alloc};
+use crate::backend::{alloc, GpuBackend};
+use crate::driver::{DeviceMemory, Driver};
+use crate::error::{Error, Result};
+use crate::plan::prefill_chunks;
+use crate::stats::{
+    bench_positions, median, percentile, prefill_flops, BenchOptions, BenchReport, LaunchOverhead,
+    PrefillReport, KV_FILL_BF16, PROFILE_VARIANTS,
+};
 
-/// What one empty decode step costs: the megakernel launched with its real
-/// parameter block and cooperative grid, at a position past the KV capacity,
-/// so every CTA returns at once.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LaunchOverhead {
-    pub launches: usize,
-    /// Host time per launch when launches are queued back to back (host
-    /// clock around the batch, closed by a stream synchronisation): the
-    /// host-side cost of submitting one cooperative launch.
-    pub submit_us: f64,
-    /// Median host time of one launch + stream synchronisation.
-    pub round_trip_us: f64,
-    /// Median device time of one empty step (events).
-    pub device_us: f64,
-}
-
-impl CustBackend {
-    fn elapsed_us(&mut self, a: &Event, b: &Event) -> Result<f64> {
-        b.elapsed_time_f32(a)
-            .map(|ms| f64::from(ms) * 1e3)
-            .map_err(|e| self.fail("cuEventElapsedTime", e))
-    }
-
+impl<D: Driver> GpuBackend<D> {
     fn sync_stream(&mut self) -> Result<()> {
-        self.stream
-            .synchronize()
-            .map_err(|e| self.fail("cuStreamSynchronize", e))
+        let r = self.driver.stream_synchronize(&self.stream);
+        r.map_err(|c| self.fail("cuStreamSynchronize", c))
     }
 
+    /// One empty step: the real parameter block and grid at a position past
+    /// the KV capacity, so every CTA returns at once.
     fn launch_empty(&mut self) -> Result<()> {
         let pos = self.capacity;
         self.launch_step(0, pos, 0)
@@ -86,7 +70,7 @@ impl CustBackend {
         self.sync_stream()?;
         let mut dev = Vec::with_capacity(n);
         for w in evs.windows(2) {
-            dev.push(self.elapsed_us(&w[0], &w[1])?);
+            dev.push(self.elapsed_ms(&w[0], &w[1])? * 1e3);
         }
         self.reset()?;
         Ok(LaunchOverhead {
@@ -109,7 +93,8 @@ impl CustBackend {
             return Err(Error::Option {
                 field: "steps",
                 reason: format!(
-                    "{n} steps from position {start} must be >= 1, start at or before {} and fit the {}-position KV cache",
+                    "{n} steps from position {start} must be >= 1, start at or before {} and fit \
+                     the {}-position KV cache",
                     self.next_pos, self.capacity
                 ),
             });
@@ -125,11 +110,11 @@ impl CustBackend {
             self.launch_step(first_token, pos, flags)?;
         }
         self.record(&b)?;
-        let deadline = self.opts.step_deadline.saturating_mul(n as u32);
+        let deadline = self.deadline_of(n);
         self.wait(&b, deadline)?;
         self.next_pos = start + n;
-        let us = self.elapsed_us(&a, &b)?;
-        Ok(Duration::from_secs_f64(us * 1e-6))
+        let ms = self.elapsed_ms(&a, &b)?;
+        Ok(Duration::from_secs_f64(ms * 1e-3))
     }
 
     /// Streaming-read bandwidth in GB/s (1e9 B/s): median of `reps` reads of
@@ -137,7 +122,8 @@ impl CustBackend {
     pub fn stream_bandwidth(&mut self, bytes: u64, reps: usize) -> Result<f64> {
         self.usable()?;
         let bytes = bytes & !15;
-        let free = mem_get_info().map_err(|e| self.fail("cuMemGetInfo", e))?.0 as u64;
+        let free = self.driver.mem_info();
+        let free = free.map_err(|c| self.fail("cuMemGetInfo", c))?.0;
         if bytes + (256 << 20) > free {
             return Err(Error::OutOfMemory {
                 what: "the streaming-read buffer".into(),
@@ -145,47 +131,44 @@ impl CustBackend {
                 available: free,
             });
         }
-        let buf = alloc(bytes, "stream buffer", false)?;
+        let buf = alloc(&self.driver, bytes, "stream buffer", false)?;
         // SAFETY: buf holds `bytes` bytes. Never time zeros: 0xA5 pattern.
         // Synchronise: the legacy-stream memset is not ordered before our
         // non-blocking stream.
-        check("cuMemsetD8", unsafe {
-            cust::sys::cuMemsetD8_v2(addr(&buf), 0xA5, bytes as usize)
-        })
-        .and_then(|()| CurrentContext::synchronize().map_err(cu("cuCtxSynchronize")))
-        .map_err(|e| self.note(e))?;
-        let occ = occupancy(self.funcs.stream_read, 0)?.max(1) as u32;
-        let grid = occ * self.info.sms;
-        let out = alloc(grid as u64 * 4, "stream checksums", true)?;
+        let r = unsafe { self.driver.memset_d8(buf.addr(), 0xA5, bytes as usize) }
+            .and_then(|()| self.driver.synchronize());
+        r.map_err(|c| self.fail("cuMemsetD8 (stream buffer)", c))?;
+        let occ = self
+            .driver
+            .occupancy(self.funcs.stream_read, THREADS_PER_CTA, 0);
+        let occ = occ.map_err(|c| self.fail("cuOccupancyMaxActiveBlocksPerMultiprocessor", c))?;
+        let grid = occ.max(1) as u32 * self.info.sms;
+        let out = alloc(&self.driver, u64::from(grid) * 4, "stream checksums", true)?;
         let mut p = StreamParams {
-            src: addr(&buf),
+            src: buf.addr(),
             n_vec16: bytes / 16,
-            out: addr(&out),
+            out: out.addr(),
         };
         let evs = (0..=reps + 1)
             .map(|_| self.new_event())
             .collect::<Result<Vec<_>>>()?;
         self.record(&evs[0])?;
         for ev in &evs[1..] {
-            let mut args = [(&mut p as *mut StreamParams).cast::<std::ffi::c_void>()];
-            // SAFETY: one StreamParams by value; buffers live until the end
-            // (the wait below).
+            let args = (&mut p as *mut StreamParams).cast::<c_void>();
+            // SAFETY: one StreamParams by value; the buffers live until the
+            // wait below.
             let r = unsafe {
-                cust::sys::cuLaunchKernel(
+                self.driver.launch(
                     self.funcs.stream_read,
                     grid,
-                    1,
-                    1,
-                    qmk_kernels::THREADS_PER_CTA,
-                    1,
-                    1,
+                    THREADS_PER_CTA,
                     0,
-                    self.stream.as_inner(),
-                    args.as_mut_ptr(),
-                    std::ptr::null_mut(),
+                    &self.stream,
+                    args,
+                    false,
                 )
             };
-            check("cuLaunchKernel (stream read)", r).map_err(|e| self.note(e))?;
+            r.map_err(|c| self.fail("cuLaunchKernel (stream read)", c))?;
             self.record(ev)?;
         }
         let last = evs.last().expect("reps + 2 events");
@@ -193,10 +176,10 @@ impl CustBackend {
         // The first launch is a warm-up.
         let mut times = Vec::with_capacity(reps);
         for w in evs[1..].windows(2) {
-            times.push(self.elapsed_us(&w[0], &w[1])?);
+            times.push(self.elapsed_ms(&w[0], &w[1])?);
         }
-        let us = median(&mut times);
-        Ok(bytes as f64 / (us * 1e-6) / 1e9)
+        let ms = median(&mut times);
+        Ok(bytes as f64 / (ms * 1e-3) / 1e9)
     }
 
     /// Fills both KV caches with [`KV_FILL_BF16`] (the long-context bench:
@@ -208,11 +191,9 @@ impl CustBackend {
             // SAFETY: each cache holds kv_cache_bytes; no step is running.
             // Synchronise: the legacy-stream memset is not ordered before
             // our non-blocking stream.
-            check("cuMemsetD16", unsafe {
-                cust::sys::cuMemsetD16_v2(cache, KV_FILL_BF16, n)
-            })
-            .and_then(|()| CurrentContext::synchronize().map_err(cu("cuCtxSynchronize")))
-            .map_err(|e| self.note(e))?;
+            let r = unsafe { self.driver.memset_d16(cache, KV_FILL_BF16, n) }
+                .and_then(|()| self.driver.synchronize());
+            r.map_err(|c| self.fail("cuMemsetD16 (KV cache)", c))?;
         }
         Ok(())
     }
@@ -220,7 +201,8 @@ impl CustBackend {
     /// Per-step times (us) of the timed steps of one back-to-back run at
     /// the positions of [`bench_positions`] (KV filled first when they do
     /// not start at 0). `greedy`: the kernel feeds its own pick forward;
-    /// else the token is fixed (profiling variants compute garbage).
+    /// else the token is fixed (profiling variants compute garbage, whose
+    /// argmax may be no token at all).
     fn time_steps(
         &mut self,
         opts: &BenchOptions,
@@ -254,21 +236,22 @@ impl CustBackend {
             self.launch_step(opts.first_token, first + i, flags)?;
             self.record(&evs[i + 1])?;
         }
-        let deadline = self.opts.step_deadline.saturating_mul(total as u32);
+        let deadline = self.deadline_of(total);
         self.wait(&evs[total], deadline)?;
         let mut us = Vec::with_capacity(opts.steps);
         for i in opts.warmup..total {
-            us.push(self.elapsed_us(&evs[i], &evs[i + 1])?);
+            us.push(self.elapsed_ms(&evs[i], &evs[i + 1])? * 1e3);
         }
         Ok(us)
     }
 
-    /// Where the time goes: every variant of
-    /// [`qmk_kernels::host::PROFILE_VARIANTS`] (phase skips and A/B flags)
-    /// timed at the same positions, median us/step. Resets the engine after.
+    /// Where the time goes: every variant of [`PROFILE_VARIANTS`] (the full
+    /// kernel, barriers only, each phase skipped with every barrier kept,
+    /// the attention A/B flags) timed at the same positions, median
+    /// us/step. Resets the engine after.
     pub fn bench_profile(&mut self, opts: &BenchOptions) -> Result<Vec<(String, f64)>> {
         let mut out = Vec::new();
-        for &(name, flags) in qmk_kernels::host::PROFILE_VARIANTS {
+        for &(name, flags) in PROFILE_VARIANTS {
             let mut t = self.time_steps(opts, flags, false)?;
             out.push((name.to_string(), median(&mut t)));
         }
@@ -276,9 +259,9 @@ impl CustBackend {
         Ok(out)
     }
 
-    /// Greedy decode of `warmup + steps` positions back to back (from
-    /// [`bench_positions`]), timed per step with events, then the floor.
-    /// Resets the engine before and after.
+    /// Greedy decode of `warmup + steps` positions back to back (the kernel
+    /// feeds its own pick to the next step on the device), timed per step
+    /// with events, then the floor. Resets the engine before and after.
     pub fn bench(&mut self, opts: &BenchOptions) -> Result<BenchReport> {
         let us = self.time_steps(opts, 0, true)?;
         let barriers = self.barriers_last_step()?;
@@ -296,10 +279,67 @@ impl CustBackend {
         ))
     }
 
-    /// Synchronises the whole context (benches close host-clock timings
-    /// with it).
-    pub fn synchronize(&mut self) -> Result<()> {
-        self.bind()?;
-        CurrentContext::synchronize().map_err(cu("cuCtxSynchronize"))
+    /// Time to first token of the tensor-core prefill (needs
+    /// [`crate::Options::prefill_chunk`]): `reps` + 1 prefills of `tokens`
+    /// at position 0 (the first untimed), each timed with device events
+    /// around its chunk launches (the ids are uploaded once, before).
+    /// Resets the engine before each and after.
+    pub fn bench_prefill(&mut self, tokens: &[u32], reps: usize) -> Result<PrefillReport> {
+        let Some((launch, chunk)) = self.prefill_launch() else {
+            return Err(Error::Option {
+                field: "prefill_chunk",
+                reason: "bench_prefill needs the prefill kernel enabled".into(),
+            });
+        };
+        if tokens.is_empty() || tokens.len() > self.capacity {
+            return Err(Error::Option {
+                field: "prefill",
+                reason: format!(
+                    "{} prompt tokens must be >= 1 and fit the {}-position KV cache",
+                    tokens.len(),
+                    self.capacity
+                ),
+            });
+        }
+        // Untimed first run through the kernel whatever the prompt length:
+        // uploads the ids, checks the inputs and warms up.
+        let min_tokens = self.opts.prefill_min_tokens;
+        self.opts.prefill_min_tokens = 1;
+        self.reset()?;
+        let first = self.prefill(tokens, 0);
+        self.opts.prefill_min_tokens = min_tokens;
+        first?;
+        let chunks = prefill_chunks(0, tokens.len(), chunk);
+        let mut ms = Vec::with_capacity(reps);
+        for _ in 0..reps.max(1) {
+            self.reset()?;
+            let (a, b) = (self.new_event()?, self.new_event()?);
+            self.record(&a)?;
+            for &(s, len) in &chunks {
+                self.launch_prefill(s, len)?;
+            }
+            self.record(&b)?;
+            let deadline = self.deadline_of(chunks.len());
+            self.wait(&b, deadline)?;
+            ms.push(self.elapsed_ms(&a, &b)?);
+        }
+        let barriers = self.barriers_last_step()?;
+        self.reset()?;
+        let med = median(&mut ms);
+        Ok(PrefillReport {
+            device: format!("{} ({})", self.info.name, self.info.arch),
+            tokens: tokens.len(),
+            chunk,
+            launches: chunks.len(),
+            ms_median: med,
+            ms_p10: percentile(&ms, 0.1),
+            ms_p90: percentile(&ms, 0.9),
+            reps: ms.len(),
+            tflops: prefill_flops(&self.config, 0, tokens.len()) / (med * 1e-3) / 1e12,
+            grid: launch.grid,
+            registers: launch.registers,
+            smem_bytes: launch.smem_bytes,
+            barriers_per_launch: barriers,
+        })
     }
 }

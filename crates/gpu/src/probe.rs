@@ -1,4 +1,5 @@
-//! The 32-bit trap, demonstrated on the GPU (DESIGN.md section 3.3).
+//! The 32-bit trap, demonstrated on the GPU (`docs/architecture.md`, the
+//! offset model).
 //!
 //! A stacked tensor of a real model's shape (14B `gate_proj`: [48, 13824,
 //! 5120] bf16, 6.79 GB) is filled with bf16(l + 1) in every element of layer
@@ -9,15 +10,14 @@
 use std::ffi::c_void;
 use std::time::Duration;
 
-use cudarc::driver::result;
 use half::bf16;
 use qmk_kernels::{ProbeFillParams, ProbeParams, MAX_CHUNKS, THREADS_PER_CTA};
 use qmk_layout::{first_wrapping_slice, plan_split, Chunk, TensorPlan, KERNEL_OFFSET_MODEL};
 use qmk_model::Config;
 
-use crate::backend::CudarcBackend;
+use crate::backend::{alloc, GpuBackend};
+use crate::driver::{DeviceMemory, Driver};
 use crate::error::{Error, Result};
-use crate::mem::DeviceBuffer;
 
 /// One probe pass.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,6 +26,7 @@ pub struct ProbeRun {
     pub chunks: Vec<(u64, u64)>,
     /// Layers whose last element read back wrong.
     pub wrong_layers: Vec<u32>,
+    /// The first of them.
     pub first_wrong: Option<u32>,
     /// The layer each read actually landed in (value - 1), per layer.
     pub landed_in: Vec<i64>,
@@ -34,13 +35,19 @@ pub struct ProbeRun {
 /// Both passes and the layout crate's prediction.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProbeReport {
+    /// The tensor probed.
     pub tensor: String,
+    /// Its layout.
     pub layout: String,
+    /// Its bytes.
     pub total_bytes: u64,
+    /// Bytes of one layer.
     pub layer_bytes: u64,
     /// `qmk_layout::first_wrapping_slice` for the unsplit tensor.
     pub predicted_first_wrong: Option<u64>,
+    /// The pass with the planner's chunks.
     pub split: ProbeRun,
+    /// The pass with the tensor in one chunk.
     pub unsplit: ProbeRun,
 }
 
@@ -53,7 +60,7 @@ impl ProbeReport {
     }
 }
 
-impl CudarcBackend {
+impl<D: Driver> GpuBackend<D> {
     /// Runs the probe on `tensor` of `config` (e.g. 14B, "gate_proj").
     pub fn trap_probe(&mut self, config: &Config, tensor: &str) -> Result<ProbeReport> {
         self.usable()?;
@@ -88,36 +95,38 @@ impl CudarcBackend {
             }],
         };
 
-        let (free, _) = result::mem_get_info().map_err(|e| self.fail("cuMemGetInfo", e))?;
-        if total + (256 << 20) > free as u64 {
+        let free = self.driver.mem_info();
+        let free = free.map_err(|c| self.fail("cuMemGetInfo", c))?.0;
+        if total + (256 << 20) > free {
             return Err(Error::OutOfMemory {
                 what: format!("the trap probe's {tensor} {}", spec.layout),
                 needed: total,
-                available: free as u64,
+                available: free,
             });
         }
-        let buf = DeviceBuffer::alloc(total, "probe tensor")?;
-        let out = DeviceBuffer::zeroed(shape[0] * 4, "probe output")?;
+        let buf = alloc(&self.driver, total, "probe tensor", false)?;
+        let out = alloc(&self.driver, shape[0] * 4, "probe output", true)?;
 
         // Fill: layer l holds bf16(l + 1) everywhere.
         let mut fill = ProbeFillParams {
-            base: buf.ptr,
+            base: buf.addr(),
             n_vec16: total / 16,
             layer_vecs: layer_bytes / 16,
         };
-        let mut args = [(&mut fill as *mut ProbeFillParams).cast::<c_void>()];
+        let args = (&mut fill as *mut ProbeFillParams).cast::<c_void>();
         // SAFETY: one ProbeFillParams by value; buf is live.
-        unsafe {
-            result::launch_kernel(
+        let r = unsafe {
+            self.driver.launch(
                 self.funcs.probe_fill,
-                (self.info.sms * 4, 1, 1),
-                (THREADS_PER_CTA, 1, 1),
+                self.info.sms * 4,
+                THREADS_PER_CTA,
                 0,
-                self.stream,
-                &mut args,
+                &self.stream,
+                args,
+                false,
             )
-        }
-        .map_err(|e| self.fail("cuLaunchKernel (probe fill)", e))?;
+        };
+        r.map_err(|c| self.fail("cuLaunchKernel (probe fill)", c))?;
 
         let mut run = |plan: &TensorPlan| -> Result<ProbeRun> {
             if plan.chunks.len() > MAX_CHUNKS {
@@ -125,7 +134,7 @@ impl CudarcBackend {
             }
             let mut p = ProbeParams {
                 chunk_base: [0; MAX_CHUNKS],
-                out: out.ptr,
+                out: out.addr(),
                 chunk_start: [0; MAX_CHUNKS + 1],
                 num_chunks: plan.chunks.len() as u32,
                 layers: u32_of(shape[0], "layers")?,
@@ -137,34 +146,33 @@ impl CudarcBackend {
             };
             for (c, chunk) in plan.chunks.iter().enumerate() {
                 // Host side, 64-bit: the chunk base inside the one buffer.
-                p.chunk_base[c] = buf.ptr + plan.chunk_byte_offset(c)?.0;
+                p.chunk_base[c] = buf.addr() + plan.chunk_byte_offset(c)?.0;
                 p.chunk_start[c] = chunk.start as u32;
             }
             p.chunk_start[plan.chunks.len()] = shape[0] as u32;
-            let mut args = [(&mut p as *mut ProbeParams).cast::<c_void>()];
+            let args = (&mut p as *mut ProbeParams).cast::<c_void>();
             let blocks = (shape[0] as u32).div_ceil(THREADS_PER_CTA);
             // SAFETY: one ProbeParams by value; buffers are live.
-            unsafe {
-                result::launch_kernel(
+            let r = unsafe {
+                self.driver.launch(
                     self.funcs.probe,
-                    (blocks, 1, 1),
-                    (THREADS_PER_CTA, 1, 1),
+                    blocks,
+                    THREADS_PER_CTA,
                     0,
-                    self.stream,
-                    &mut args,
+                    &self.stream,
+                    args,
+                    false,
                 )
-            }
-            .map_err(|e| self.fail("cuLaunchKernel (trap probe)", e))?;
+            };
+            r.map_err(|c| self.fail("cuLaunchKernel (trap probe)", c))?;
             let ev = self.new_event()?;
-            self.record(ev)?;
-            let w = self.wait(ev, Duration::from_secs(60));
-            // SAFETY: live event, no longer used.
-            let _ = unsafe { result::event::destroy(ev) };
-            w?;
+            self.record(&ev)?;
+            self.wait(&ev, Duration::from_secs(60))?;
             let mut got = vec![0u32; shape[0] as usize];
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut got);
             // SAFETY: out holds `layers` u32.
-            unsafe { result::memcpy_dtoh_sync(&mut got, out.ptr) }
-                .map_err(|e| self.fail("cuMemcpyDtoH (probe)", e))?;
+            let r = unsafe { self.driver.dtoh(bytes, out.addr()) };
+            r.map_err(|c| self.fail("cuMemcpyDtoH (probe)", c))?;
             let mut wrong = Vec::new();
             let mut landed = Vec::new();
             for (l, &bits) in got.iter().enumerate() {

@@ -1,75 +1,45 @@
-//! Long-context GPU tests (issue 8): decode at positions in the thousands,
-//! where the attention is split along the sequence across CTAs
-//! (flash-decoding, `attention_split` in kernels/cuda/attention.cuh).
-//! Every check is one generic function instantiated for both backends.
-//! Skips with a printed reason when there is no CUDA device.
+//! Long-context GPU tests: decode at positions in the thousands, where the
+//! attention is split along the sequence across CTAs (flash-decoding,
+//! `attention_split` in the kernel). Every check is one generic function
+//! run on both drivers. Skips with a printed reason when there is no CUDA
+//! device.
 //!
-//! - `a_0_5b_long_vs_reference`: a 2,048-token synthetic prompt (GPU: one
-//!   decode step per token; CPU reference: one batched prefill), then 8
-//!   greedy steps: logits within 1e-2 of the CPU reference at every
-//!   step, ids equal; the last position also with the v1.2 attention
+//! - `a_0_5b_long_vs_reference`: a 2,048-token synthetic prompt (GPU:
+//!   `Backend::prefill`; CPU reference: one batched prefill), then 8 greedy
+//!   steps: logits within 1e-2 of the CPU reference at every step, ids
+//!   equal; the last position also with the unsplit attention
 //!   (`FLAG_ATTN_NO_SPLIT`). 16 sequence blocks per kv head there.
-//! - `b_0_5b_split_vs_v1` (8,300 positions: the split count is capped at
-//!   64 blocks per kv head, the combine's > 32-block loop runs),
-//!   `c_7b_split_vs_v1` (1,100 positions, head_dim 128) and the short
+//! - `b_0_5b_split_vs_unsplit` (8,300 positions: the split count is capped
+//!   at 64 blocks per kv head, the combine's > 32-block loop runs),
+//!   `c_7b_split_vs_unsplit` (1,100 positions, head_dim 128) and the short
 //!   `b_0_5b_short_forced_split` / `d_7b_short_forced_split` (100 / 200
 //!   positions, split forced: one block per kv head): the split
-//!   (`FLAG_ATTN_FORCE_SPLIT`) and the v1.2 attention (`FLAG_ATTN_NO_SPLIT`)
-//!   agree (logits within 1e-3: the same maths summed in another order),
-//!   the split is bit-identical when repeated, and the default flags pick the
-//!   split from `ATTN_SPLIT_MIN_CONTEXT` cached positions on, v1.2 below
-//!   (bit-identical to the one picked).
+//!   (`FLAG_ATTN_FORCE_SPLIT`) and the unsplit attention
+//!   (`FLAG_ATTN_NO_SPLIT`) agree (logits within 1e-3: the same maths
+//!   summed in another order), the split is bit-identical when repeated,
+//!   and the default flags pick the split from `ATTN_SPLIT_MIN_CONTEXT`
+//!   cached positions on, the unsplit attention below (bit-identical to the
+//!   one picked).
 //!
-//! On the GPU machine, from the prebuilt binary (scripts/gpu/perf.sh):
-//! `long-context-tests --test-threads=1 --nocapture`.
+//! On the GPU machine, from the prebuilt binary:
+//! `long_context-<hash> --test-threads=1 --nocapture`.
 
-#[macro_use]
-mod common;
-use common::*;
+use qmk_gpu_tests::*;
 
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use qmk_backend_cudarc::CudarcBackend;
-use qmk_backend_cust::CustBackend;
 use qmk_engine::Backend;
+use qmk_gpu::{Driver, GpuBackend, Options};
 use qmk_kernels::params::{ATTN_SPLIT_MIN_CONTEXT, FLAG_ATTN_FORCE_SPLIT, FLAG_ATTN_NO_SPLIT};
 use qmk_model::reference::{Reference, ReferenceOptions};
 use qmk_model::Weights;
 
 const TOL: f64 = 1e-2;
-/// Split vs v1.2 attention: same maths, another summation order.
+/// Split vs unsplit attention: same maths, another summation order.
 const TOL_PATHS: f64 = 1e-3;
 const REF_PROMPT: usize = 2048;
 const REF_STEPS: usize = 8;
-
-/// A CUDA backend with the flag hook.
-trait Gpu: Backend + Sized {
-    const NAME: &'static str;
-    fn open(w: &Weights, capacity: usize) -> Result<Self, Self::Error>;
-    fn set_kernel_flags(&mut self, mask: u32, on: bool);
-}
-
-macro_rules! impl_gpu {
-    ($ty:ty, $name:literal, $krate:ident) => {
-        impl Gpu for $ty {
-            const NAME: &'static str = $name;
-            fn open(w: &Weights, capacity: usize) -> Result<Self, Self::Error> {
-                let opts = $krate::Options {
-                    capacity,
-                    step_deadline: Duration::from_secs(60),
-                    ..Default::default()
-                };
-                <$ty>::new(w, opts, &mut ())
-            }
-            fn set_kernel_flags(&mut self, mask: u32, on: bool) {
-                <$ty>::set_kernel_flags(self, mask, on)
-            }
-        }
-    };
-}
-impl_gpu!(CudarcBackend, "cudarc", qmk_backend_cudarc);
-impl_gpu!(CustBackend, "cust", qmk_backend_cust);
 
 /// `n` synthetic prompt ids below the special tokens (deterministic).
 fn prompt(n: usize) -> Vec<u32> {
@@ -84,8 +54,17 @@ fn prompt(n: usize) -> Vec<u32> {
         .collect()
 }
 
-fn open<B: Gpu>(w: &Weights, capacity: usize) -> B {
-    B::open(w, capacity).unwrap_or_else(|e| panic!("{}: opening the backend: {e}", B::NAME))
+/// The backend through `D` with a long host deadline (a prompt of
+/// thousands of tokens is one wait).
+fn open_long<D: Driver>(w: &Weights, capacity: usize) -> GpuBackend<D> {
+    open(
+        w,
+        Options {
+            capacity,
+            step_deadline: Duration::from_secs(60),
+            ..Default::default()
+        },
+    )
 }
 
 /// The CPU reference: logits after the batched prefill of the prompt, then
@@ -117,15 +96,15 @@ fn reference_run(w: &Arc<Weights>) -> &'static RefRun {
     })
 }
 
-fn long_vs_reference<B: Gpu>() {
+fn long_vs_reference<D: Driver>() {
     let test = format!(
         "0.5b {} at {REF_PROMPT} positions vs CPU reference",
-        B::NAME
+        D::NAME
     );
     let Some(_g) = gpu_or_skip(&test) else { return };
     let w = weights("0.5b");
     let r = reference_run(&w);
-    let mut gpu = open::<B>(&w, REF_PROMPT + REF_STEPS + 1);
+    let mut gpu = open_long::<D>(&w, REF_PROMPT + REF_STEPS + 1);
     let p = prompt(REF_PROMPT);
     let t = Instant::now();
     let out = gpu.prefill(&p, 0).unwrap();
@@ -159,40 +138,40 @@ fn long_vs_reference<B: Gpu>() {
             "{test}: pos {pos}: greedy ids differ"
         );
     }
-    // The last position again with the v1.2 attention.
+    // The last position again with the unsplit attention.
     let pos = REF_PROMPT + REF_STEPS - 1;
     gpu.set_kernel_flags(FLAG_ATTN_NO_SPLIT, true);
     gpu.step(r.tokens[REF_STEPS - 1], pos).unwrap();
-    let v1 = gpu.logits().unwrap();
-    let e_v1 = rel_err(&v1, &r.logits[REF_STEPS]);
+    let unsplit = gpu.logits().unwrap();
+    let e_unsplit = rel_err(&unsplit, &r.logits[REF_STEPS]);
     assert!(
-        e_v1 <= TOL,
-        "{test}: v1.2 attention at pos {pos}: rel err {e_v1:.3e}"
+        e_unsplit <= TOL,
+        "{test}: unsplit attention at pos {pos}: rel err {e_unsplit:.3e}"
     );
-    let e_paths = rel_err(&lg, &v1);
+    let e_paths = rel_err(&lg, &unsplit);
     assert!(
         e_paths <= TOL_PATHS,
-        "{test}: split vs v1.2 attention at pos {pos}: rel err {e_paths:.3e} > {TOL_PATHS}"
+        "{test}: split vs unsplit attention at pos {pos}: rel err {e_paths:.3e} > {TOL_PATHS}"
     );
     println!(
         "{test}: PASS: {REF_STEPS} greedy ids equal, max rel err {max_err:.3e} (split), \
-         v1.2 path {e_v1:.3e}, split vs v1.2 {e_paths:.3e}; GPU prefill (step by step) {prefill_s:.1} s"
+         unsplit path {e_unsplit:.3e}, split vs unsplit {e_paths:.3e}; GPU prefill {prefill_s:.1} s"
     );
 }
 
 /// At position `n` after an `n`-token prompt: split (twice) vs unsplit
-/// attention.
-fn split_vs_v1<B: Gpu>(preset: &str, n: usize) {
-    let test = format!("{preset} {} split attention at {n} positions", B::NAME);
+/// attention, and what the default flags pick.
+fn split_vs_unsplit<D: Driver>(preset: &str, n: usize) {
+    let test = format!("{preset} {} split attention at {n} positions", D::NAME);
     let Some(_g) = gpu_or_skip(&test) else { return };
     let w = weights(preset);
-    let mut gpu = open::<B>(&w, n + 2);
+    let mut gpu = open_long::<D>(&w, n + 2);
     let p = prompt(n + 1);
     let t = Instant::now();
     gpu.prefill(&p[..n], 0).unwrap();
     let prefill_s = t.elapsed().as_secs_f64();
     const ALL: u32 = FLAG_ATTN_NO_SPLIT | FLAG_ATTN_FORCE_SPLIT;
-    let at_n = |gpu: &mut B, mask: u32| {
+    let at_n = |gpu: &mut GpuBackend<D>, mask: u32| {
         gpu.set_kernel_flags(ALL, false);
         gpu.set_kernel_flags(mask, true);
         let out = gpu.step(p[n], n).unwrap();
@@ -205,38 +184,38 @@ fn split_vs_v1<B: Gpu>(preset: &str, n: usize) {
     };
     let (a1, split1) = at_n(&mut gpu, FLAG_ATTN_FORCE_SPLIT);
     let (a2, split2) = at_n(&mut gpu, FLAG_ATTN_FORCE_SPLIT);
-    let (av, v1) = at_n(&mut gpu, FLAG_ATTN_NO_SPLIT);
+    let (av, unsplit) = at_n(&mut gpu, FLAG_ATTN_NO_SPLIT);
     let (ad, dflt) = at_n(&mut gpu, 0);
     gpu.set_kernel_flags(ALL, false);
     let split_default = n + 1 >= ATTN_SPLIT_MIN_CONTEXT as usize;
     let (want_a, want) = if split_default {
         (a1, &split1)
     } else {
-        (av, &v1)
+        (av, &unsplit)
     };
     assert!(
         ad == want_a && &dflt == want,
         "{test}: the default flags did not pick the {} attention bit for bit",
-        if split_default { "split" } else { "v1.2" }
+        if split_default { "split" } else { "unsplit" }
     );
     assert!(
         a1 == a2 && split1 == split2,
         "{test}: the split attention is not bit-identical run to run"
     );
-    let e = rel_err(&split1, &v1);
+    let e = rel_err(&split1, &unsplit);
     assert!(
         e <= TOL_PATHS,
-        "{test}: split vs v1.2 attention: rel err {e:.3e} > {TOL_PATHS}"
+        "{test}: split vs unsplit attention: rel err {e:.3e} > {TOL_PATHS}"
     );
     println!(
-        "{test}: PASS: split vs v1.2 rel err {e:.3e}, split repeat bit-identical; \
-         prefill (step by step) {prefill_s:.1} s"
+        "{test}: PASS: split vs unsplit rel err {e:.3e}, split repeat bit-identical; \
+         prefill {prefill_s:.1} s"
     );
 }
 
 // Names sort so one preset's tests run together (weights cache).
 both!(a_0_5b_long_vs_reference, long_vs_reference);
-both!(b_0_5b_split_vs_v1, split_vs_v1, "0.5b", 8300);
-both!(b_0_5b_short_forced_split, split_vs_v1, "0.5b", 100);
-both!(c_7b_split_vs_v1, split_vs_v1, "7b", 1100);
-both!(d_7b_short_forced_split, split_vs_v1, "7b", 200);
+both!(b_0_5b_split_vs_unsplit, split_vs_unsplit, "0.5b", 8300);
+both!(b_0_5b_short_forced_split, split_vs_unsplit, "0.5b", 100);
+both!(c_7b_split_vs_unsplit, split_vs_unsplit, "7b", 1100);
+both!(d_7b_short_forced_split, split_vs_unsplit, "7b", 200);

@@ -1,10 +1,9 @@
-//! GPU tests of the tensor-core prefill kernel (`qmk_prefill_chunk`, issue
-//! 9), generic over both CUDA backends (instantiated for `CudarcBackend` and
-//! `CustBackend` by [`both!`], as in gpu.rs). Each skips with a printed
-//! reason when there is no CUDA device.
+//! GPU tests of the tensor-core prefill kernel (`qmk_prefill_chunk`), one
+//! generic function each, run on both drivers by [`both!`]. Each skips with
+//! a printed reason when there is no CUDA device.
 //!
 //! For a prompt of N synthetic token ids (N = 1, 17, 512, 3000) at the 0.5B
-//! and 7B shapes, with `GpuOptions::prefill_chunk` = `QMK_PREFILL_CHUNK`
+//! and 7B shapes, with `Options::prefill_chunk` = `QMK_PREFILL_CHUNK`
 //! (default 256, so 512 and 3000 take several chunks and attend to positions
 //! cached by earlier chunks):
 //!   1. the last position's logits within 1e-2 relative error of the CPU
@@ -19,30 +18,26 @@
 //!
 //! `d_stream_k_*`: the wgmma GEMM's stream-K schedule against the same
 //! kernel data-parallel (GPU vs GPU: layer 0 to 1e-3, the rest to TOL).
-//! Plus a threshold table per
-//! preset (`*_threshold`): host wall time of step-by-step vs batched prefill
+//! Plus a threshold table per preset (`*_threshold`): host wall time of step-by-step vs batched prefill
 //! at 1, 4, 16, 64 tokens, to set `DEFAULT_PREFILL_MIN_TOKENS` from; it
 //! fails if the two paths' logits differ by more than the tolerance.
 //! `QMK_TEST_KERNEL_FLAGS` runs everything on another GEMM path.
 //!
-//! On the GPU machine, from the prebuilt binary (scripts/gpu/prefill.sh):
-//! `prefill-tests --test-threads=1 --nocapture [filter]`. The 7B 3,000-token
-//! reference is ~40 TFLOP of CPU work: `write_reference` computes it on the
-//! build machine into `QMK_PREFILL_REF_DIR` (~25 min on 2 cores),
-//! `prefill.sh build` carries it and `prefill.sh final` points the test at
-//! it; without a file the test computes the reference itself (minutes).
+//! On the GPU machine, from the prebuilt binary:
+//! `prefill-<hash> --test-threads=1 --nocapture [filter]`. The 7B
+//! 3,000-token reference is ~40 TFLOP of CPU work: `write_reference`
+//! computes it on the build machine into `QMK_PREFILL_REF_DIR` (~25 min on
+//! 2 cores), to be carried with the binary; without a file the test
+//! computes the reference itself (minutes).
 
-#[macro_use]
-mod common;
-use common::*;
+use qmk_gpu_tests::*;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
-use qmk_backend_cudarc::CudarcBackend;
-use qmk_backend_cust::CustBackend;
 use qmk_engine::Backend;
+use qmk_gpu::{Driver, GpuBackend, Options};
 use qmk_model::reference::{Reference, ReferenceOptions};
 use qmk_model::Weights;
 
@@ -67,77 +62,20 @@ fn test_kernel_flags() -> u32 {
         .unwrap_or(0)
 }
 
-/// A CUDA backend with the prefill kernel enabled, and its test hooks.
-trait Pf: Backend + Sized {
-    const NAME: &'static str;
-    fn open(w: &Weights, capacity: usize, chunk: u32) -> Result<Self, Self::Error>;
-    fn describe(&self) -> String;
-    fn kv_cache(&mut self) -> Result<(Vec<u16>, Vec<u16>), Self::Error>;
-    fn set_flags(&mut self, mask: u32, on: bool);
-    /// The prefill kernel runs the wgmma GEMM (sm_90a).
-    fn has_wgmma(&self) -> bool;
-    /// `GpuOptions::prefill_min_tokens` (1: every prompt through the
-    /// kernel; usize::MAX: one decode step per token).
-    fn set_min_tokens(&mut self, n: usize);
-}
-
-macro_rules! impl_pf {
-    ($ty:ty, $name:literal, $krate:ident) => {
-        impl Pf for $ty {
-            const NAME: &'static str = $name;
-            fn open(w: &Weights, capacity: usize, chunk: u32) -> Result<Self, Self::Error> {
-                let opts = $krate::Options {
-                    capacity,
-                    prefill_chunk: Some(chunk),
-                    // Every prompt through the kernel, 1 token included.
-                    prefill_min_tokens: 1,
-                    ..Default::default()
-                };
-                let mut b = <$ty>::new(w, opts, &mut ())?;
-                b.set_kernel_flags(test_kernel_flags(), true);
-                Ok(b)
-            }
-            fn set_min_tokens(&mut self, n: usize) {
-                self.set_prefill_min_tokens(n);
-            }
-            fn describe(&self) -> String {
-                let l = self.launch_info();
-                let (pl, chunk) = self.prefill_launch().expect("prefill enabled");
-                let pf = self
-                    .resources()
-                    .into_iter()
-                    .find(|r| r.function == qmk_kernels::source::entry::PREFILL_CHUNK)
-                    .map(|r| r.to_string())
-                    .unwrap_or_default();
-                format!(
-                    "{}: {} ({}), decode grid {} x {}; prefill grid {} ({} CTA/SM of max {}), {} B dyn smem, {} regs, chunk {chunk}, kernel flags {}; {pf}",
-                    $name,
-                    self.device().name,
-                    self.arch(),
-                    l.grid,
-                    l.block,
-                    pl.grid,
-                    pl.ctas_per_sm,
-                    pl.max_ctas_per_sm,
-                    pl.smem_bytes,
-                    pl.registers,
-                    test_kernel_flags()
-                )
-            }
-            fn kv_cache(&mut self) -> Result<(Vec<u16>, Vec<u16>), Self::Error> {
-                self.read_kv_cache()
-            }
-            fn set_flags(&mut self, mask: u32, on: bool) {
-                self.set_kernel_flags(mask, on);
-            }
-            fn has_wgmma(&self) -> bool {
-                self.arch().has_wgmma()
-            }
-        }
+/// The backend through `D` with the prefill kernel in chunks of `chunk`
+/// positions, every prompt through it (1 token included), and the test's
+/// kernel flags.
+fn open_pf<D: Driver>(w: &Weights, capacity: usize, chunk: u32) -> qmk_gpu::Result<GpuBackend<D>> {
+    let opts = Options {
+        capacity,
+        prefill_chunk: Some(chunk),
+        prefill_min_tokens: 1,
+        ..Default::default()
     };
+    let mut b = GpuBackend::<D>::new(w, opts, &mut ())?;
+    b.set_kernel_flags(test_kernel_flags(), true);
+    Ok(b)
 }
-impl_pf!(CudarcBackend, "cudarc", qmk_backend_cudarc);
-impl_pf!(CustBackend, "cust", qmk_backend_cust);
 
 /// N deterministic token ids below the special tokens (xorshift).
 fn prompt(n: usize, vocab: usize) -> Vec<u32> {
@@ -203,7 +141,7 @@ fn capacity(n: usize) -> usize {
     n + GREEDY_STEPS + 1
 }
 
-/// CPU reference runs by (preset, N), shared by both backends' tests.
+/// CPU reference runs by (preset, N), shared by both drivers' tests.
 type RefCache = Mutex<HashMap<(String, usize), Arc<RefPrefill>>>;
 
 fn reference(preset: &str, n: usize, w: &Arc<Weights>) -> Arc<RefPrefill> {
@@ -384,20 +322,20 @@ fn compute_reference(preset: &str, n: usize, w: &Arc<Weights>) -> RefPrefill {
 }
 
 /// The backend for a GPU-vs-GPU comparison of wgmma-path variants: the
-/// weights, the prompt of `n` tokens and `B` opened with chunks of `chunk`;
+/// weights, the prompt of `n` tokens and the backend opened with chunks of `chunk`;
 /// None (saying so) on GPUs without the wgmma path. The caller holds the
 /// GPU guard.
-fn open_wgmma<B: Pf>(
+fn open_wgmma<D: Driver>(
     test: &str,
     preset: &str,
     n: usize,
     chunk: u32,
-) -> Option<(Arc<Weights>, Vec<u32>, B)> {
+) -> Option<(Arc<Weights>, Vec<u32>, GpuBackend<D>)> {
     let w = weights(preset);
     let tokens = prompt(n, w.config.vocab_size);
-    let gpu = B::open(&w, capacity(n), chunk)
+    let gpu = open_pf::<D>(&w, capacity(n), chunk)
         .unwrap_or_else(|e| panic!("{test}: opening the backend: {e}"));
-    if !gpu.has_wgmma() {
+    if !gpu.arch().has_wgmma() {
         println!("SKIPPED {test}: no wgmma prefill GEMM on this GPU");
         return None;
     }
@@ -414,13 +352,18 @@ struct Variant {
     v: Vec<u16>,
 }
 
-fn prefill_variant<B: Pf>(gpu: &mut B, tokens: &[u32], mask: u32, on: u32) -> Variant {
+fn prefill_variant<D: Driver>(
+    gpu: &mut GpuBackend<D>,
+    tokens: &[u32],
+    mask: u32,
+    on: u32,
+) -> Variant {
     gpu.reset().unwrap();
-    gpu.set_flags(mask, false);
-    gpu.set_flags(on & mask, true);
+    gpu.set_kernel_flags(mask, false);
+    gpu.set_kernel_flags(on & mask, true);
     let pick = gpu.prefill(tokens, 0).unwrap().argmax;
     let logits = gpu.logits().unwrap();
-    let (k, v) = gpu.kv_cache().unwrap();
+    let (k, v) = gpu.read_kv_cache().unwrap();
     Variant { pick, logits, k, v }
 }
 
@@ -428,8 +371,7 @@ fn bf16s(c: &[u16]) -> Vec<f32> {
     c.iter().map(|&b| bf16(b)).collect()
 }
 
-/// The wgmma GEMM's stream-K split (kernels/cuda/prefill_wgmma.cuh,
-/// `wg_phase`) against the same kernel with every tile data-parallel
+/// The wgmma GEMM's stream-K split (`wg_phase`) against the same kernel with every tile data-parallel
 /// (`FLAG_PF_NO_STREAM_K`), GPU against GPU. Only the f32 summation order
 /// of the split tiles differs, so layers 0 and 1 of the KV cache (layer 0:
 /// the split q/k/v GEMM; layer 1: also layer 0's split o_proj and down)
@@ -440,20 +382,20 @@ fn bf16s(c: &[u16]) -> Vec<f32> {
 /// 0.5-3.5e-3, last layer 3-7e-3, the size of GPU vs CPU). A lost or
 /// doubled partial is off by ~1/splits of a row, far above both bounds.
 /// Skips (saying so) on GPUs without the wgmma path.
-fn stream_k_matches_data_parallel<B: Pf>(preset: &str, n: usize) {
-    stream_k_chunk_matches_data_parallel::<B>(preset, n, chunk());
+fn stream_k_matches_data_parallel<D: Driver>(preset: &str, n: usize) {
+    stream_k_chunk_matches_data_parallel::<D>(preset, n, chunk());
 }
 
 /// As [`stream_k_matches_data_parallel`] in chunks of `chunk` tokens: one
 /// chunk of 2,048 runs 7B's q/k/v with a stream-K tail after two
 /// data-parallel waves (288 tiles = 2 x 132 + 24).
-fn stream_k_chunk_matches_data_parallel<B: Pf>(preset: &str, n: usize, chunk: u32) {
+fn stream_k_chunk_matches_data_parallel<D: Driver>(preset: &str, n: usize, chunk: u32) {
     let test = format!(
         "{preset} {} stream-K vs data-parallel, {n} tokens in chunks of {chunk}",
-        B::NAME
+        D::NAME
     );
     let Some(_g) = gpu_or_skip(&test) else { return };
-    let Some((w, tokens, mut gpu)) = open_wgmma::<B>(&test, preset, n, chunk) else {
+    let Some((w, tokens, mut gpu)) = open_wgmma::<D>(&test, preset, n, chunk) else {
         return;
     };
     use qmk_kernels::params::FLAG_PF_NO_STREAM_K as NO_SK;
@@ -497,18 +439,18 @@ fn stream_k_chunk_matches_data_parallel<B: Pf>(preset: &str, n: usize, chunk: u3
 
 /// Prefill of N tokens vs the CPU reference: last logits, KV cache, then 32
 /// greedy decode steps.
-fn prefill_matches_reference<B: Pf>(preset: &str, n: usize) {
+fn prefill_matches_reference<D: Driver>(preset: &str, n: usize) {
     let test = format!(
         "{preset} {} prefill of {n} tokens vs CPU reference",
-        B::NAME
+        D::NAME
     );
     let Some(_g) = gpu_or_skip(&test) else { return };
     let w = weights(preset);
     let r = reference(preset, n, &w);
     let cap = capacity(n);
-    let mut gpu =
-        B::open(&w, cap, chunk()).unwrap_or_else(|e| panic!("{test}: opening the backend: {e}"));
-    println!("{}", gpu.describe());
+    let mut gpu = open_pf::<D>(&w, cap, chunk())
+        .unwrap_or_else(|e| panic!("{test}: opening the backend: {e}"));
+    println!("{}", describe(&gpu));
 
     let t = Instant::now();
     let out = gpu.prefill(&r.tokens, 0).unwrap();
@@ -525,7 +467,7 @@ fn prefill_matches_reference<B: Pf>(preset: &str, n: usize) {
         "{test}: last-position logits rel. err {e_logits:.3e} > {TOL}"
     );
 
-    let (kc, vc) = gpu.kv_cache().unwrap();
+    let (kc, vc) = gpu.read_kv_cache().unwrap();
     let (layers, kv) = (w.config.num_hidden_layers, w.config.kv_dim());
     let rows = |c: &[u16]| -> Vec<f32> {
         let mut out = Vec::with_capacity(layers * r.positions.len() * kv);
@@ -581,13 +523,13 @@ fn prefill_matches_reference<B: Pf>(preset: &str, n: usize) {
 
 /// Typed errors before any launch, and a prompt longer than one chunk
 /// starting after decode steps (positions cached by the decode kernel).
-fn prefill_errors_and_continuation<B: Pf>() {
-    let test = format!("{} prefill errors and continuation", B::NAME);
+fn prefill_errors_and_continuation<D: Driver>() {
+    let test = format!("{} prefill errors and continuation", D::NAME);
     let Some(_g) = gpu_or_skip(&test) else { return };
     let w = weights("0.5b");
     let vocab = w.config.vocab_size as u32;
-    let mut gpu = B::open(&w, 64, 16).unwrap();
-    let expect = |r: Result<qmk_engine::StepOutput, B::Error>, needle: &str| {
+    let mut gpu = open_pf::<D>(&w, 64, 16).unwrap();
+    let expect = |r: qmk_gpu::Result<qmk_engine::StepOutput>, needle: &str| {
         let e = r.expect_err(needle).to_string();
         println!("{test}: -> {e}");
         assert!(e.contains(needle), "{test}: expected {needle:?}, got: {e}");
@@ -618,23 +560,23 @@ fn prefill_errors_and_continuation<B: Pf>() {
 }
 
 /// Time to first token of the two prefill paths at short prompts (1, 4,
-/// 16, 64 tokens): one decode step per token (launched back to back on
-/// cudarc; one step() each on cust) vs the tensor-core kernel (one chunk).
+/// 16, 64 tokens): one decode step per token (queued back to back, one
+/// wait) vs the tensor-core kernel (one chunk).
 /// Prints a table to set `DEFAULT_PREFILL_MIN_TOKENS` from; fails if the
 /// two paths' last logits differ by more than the tolerance.
-fn prefill_threshold_table<B: Pf>(preset: &str) {
-    let test = format!("{preset} {} prefill threshold", B::NAME);
+fn prefill_threshold_table<D: Driver>(preset: &str) {
+    let test = format!("{preset} {} prefill threshold", D::NAME);
     let Some(_g) = gpu_or_skip(&test) else { return };
     let w = weights(preset);
     const LENS: [usize; 4] = [1, 4, 16, 64];
     const REPS: usize = 5;
-    let mut gpu = B::open(&w, LENS[3] + 1, qmk_kernels::host::DEFAULT_PREFILL_CHUNK)
+    let mut gpu = open_pf::<D>(&w, LENS[3] + 1, qmk_gpu::DEFAULT_PREFILL_CHUNK)
         .unwrap_or_else(|e| panic!("{test}: opening the backend: {e}"));
-    println!("{}", gpu.describe());
+    println!("{}", describe(&gpu));
     // Median host wall time of REPS prefills (after one warm-up), and the
     // last logits.
-    let time = |gpu: &mut B, tokens: &[u32], min_tokens: usize| -> (f64, Vec<f32>) {
-        gpu.set_min_tokens(min_tokens);
+    let time = |gpu: &mut GpuBackend<D>, tokens: &[u32], min_tokens: usize| -> (f64, Vec<f32>) {
+        gpu.set_prefill_min_tokens(min_tokens);
         let mut ms = Vec::with_capacity(REPS);
         for r in 0..=REPS {
             gpu.reset().unwrap();
@@ -649,7 +591,7 @@ fn prefill_threshold_table<B: Pf>(preset: &str) {
     };
     println!(
         "threshold {preset} {}: tokens | step-by-step ms | batched ms | faster",
-        B::NAME
+        D::NAME
     );
     let mut first_win = None;
     for n in LENS {
@@ -667,7 +609,7 @@ fn prefill_threshold_table<B: Pf>(preset: &str) {
         }
         println!(
             "threshold {preset} {}: {n:>4} | {t_steps:>8.3} | {t_batch:>8.3} | {win} (logits rel. diff {e:.2e})",
-            B::NAME
+            D::NAME
         );
         assert!(
             e <= TOL,
@@ -676,8 +618,8 @@ fn prefill_threshold_table<B: Pf>(preset: &str) {
     }
     println!(
         "threshold {preset} {}: batched first faster at {first_win:?} tokens (default prefill_min_tokens = {})",
-        B::NAME,
-        qmk_kernels::host::DEFAULT_PREFILL_MIN_TOKENS
+        D::NAME,
+        qmk_gpu::DEFAULT_PREFILL_MIN_TOKENS
     );
 }
 

@@ -1,0 +1,336 @@
+//! [`qmk_gpu::Driver`] through cust: its safe wrappers where it has them
+//! (context, module, stream, event, device buffer), `cust::sys` for the
+//! rest (cooperative launch, function attributes, occupancy, mapped host
+//! memory, memsets, newer device attributes).
+
+use std::ffi::{c_void, CString};
+use std::os::raw::c_int;
+
+use cust::context::{Context, CurrentContext};
+use cust::device::{Device, DeviceAttribute};
+use cust::error::CudaError;
+use cust::event::{Event, EventFlags, EventStatus};
+use cust::memory::{mem_get_info, CopyDestination, DeviceBuffer};
+use cust::module::Module;
+use cust::stream::{Stream, StreamFlags};
+use cust::sys;
+use cust::CudaFlags;
+use qmk_engine::BackendKind;
+use qmk_gpu::{CudaCode, DeviceAttr, DeviceMemory, Driver, Error, MappedHost, Result};
+
+/// cust folds codes it does not know into `UnknownError` (999).
+fn code(e: CudaError) -> CudaCode {
+    CudaCode(e as u32)
+}
+
+fn check(r: sys::CUresult) -> Result<(), CudaCode> {
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        e => Err(CudaCode(e as u32)),
+    }
+}
+
+fn device(ordinal: usize) -> Result<Device, CudaCode> {
+    let i = u32::try_from(ordinal).map_err(|_| CudaCode(101))?;
+    Device::get_device(i).map_err(code)
+}
+
+/// The device's primary context, through cust.
+#[derive(Debug)]
+pub struct CustDriver {
+    ctx: Context,
+}
+
+/// A kernel of a loaded module (valid while the module is).
+#[derive(Debug, Clone, Copy)]
+pub struct Function(sys::CUfunction);
+
+/// A device allocation (cust frees it on drop).
+#[derive(Debug)]
+pub struct Memory(DeviceBuffer<u8>);
+
+impl DeviceMemory for Memory {
+    fn addr(&self) -> u64 {
+        self.0.as_device_ptr().as_raw()
+    }
+    fn bytes(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// Releases pinned host memory (cust has no wrapper for
+/// `CU_MEMHOSTALLOC_DEVICEMAP`; errors, a dead context, cannot be reported
+/// from drop).
+///
+/// # Safety
+/// `host` came from `cuMemHostAlloc` and is freed once.
+unsafe fn free_host(host: *mut c_void) {
+    // SAFETY: per the caller.
+    let _ = unsafe { sys::cuMemFreeHost(host) };
+}
+
+/// cust's `DeviceAttribute` (CUDA 11.2 era) lacks the opt-in shared memory
+/// and cooperative-launch attributes: those are read through `cust::sys`.
+enum Attr {
+    Cust(DeviceAttribute),
+    Raw(sys::CUdevice_attribute),
+}
+
+fn attr(a: DeviceAttr) -> Attr {
+    use sys::CUdevice_attribute as Raw;
+    match a {
+        DeviceAttr::ComputeMajor => Attr::Cust(DeviceAttribute::ComputeCapabilityMajor),
+        DeviceAttr::ComputeMinor => Attr::Cust(DeviceAttribute::ComputeCapabilityMinor),
+        DeviceAttr::MultiprocessorCount => Attr::Cust(DeviceAttribute::MultiprocessorCount),
+        DeviceAttr::MaxSharedMemoryPerBlockOptin => {
+            Attr::Raw(Raw::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        }
+        DeviceAttr::CooperativeLaunch => Attr::Raw(Raw::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH),
+    }
+}
+
+impl Driver for CustDriver {
+    const NAME: &'static str = "cust";
+    const KIND: BackendKind = BackendKind::Cust;
+    type Module = Module;
+    type Function = Function;
+    type Stream = Stream;
+    type Event = Event;
+    type Memory = Memory;
+
+    /// cust links libcuda.so.1 at build time: a binary of this crate does
+    /// not start at all on a machine with no libcuda (real or stub), so
+    /// there is no [`Error::NoDriver`] here.
+    fn init() -> Result<()> {
+        cust::init(CudaFlags::empty()).map_err(|e| match code(e) {
+            c @ CudaCode::NO_DEVICE => Error::NoDevice(c),
+            c => Error::driver("cuInit", c),
+        })
+    }
+
+    fn count() -> Result<usize, CudaCode> {
+        Ok(Device::num_devices().map_err(code)? as usize)
+    }
+
+    fn name(ordinal: usize) -> Result<String, CudaCode> {
+        device(ordinal)?.name().map_err(code)
+    }
+
+    fn total_mem(ordinal: usize) -> Result<u64, CudaCode> {
+        Ok(device(ordinal)?.total_memory().map_err(code)? as u64)
+    }
+
+    fn attribute(ordinal: usize, a: DeviceAttr) -> Result<i32, CudaCode> {
+        let dev = device(ordinal)?;
+        match attr(a) {
+            Attr::Cust(a) => dev.get_attribute(a).map_err(code),
+            Attr::Raw(a) => {
+                let mut v: c_int = 0;
+                // SAFETY: a valid device handle and out pointer.
+                check(unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev.as_raw()) })?;
+                Ok(v)
+            }
+        }
+    }
+
+    fn open(ordinal: usize) -> Result<Self, CudaCode> {
+        let ctx = Context::new(device(ordinal)?).map_err(code)?;
+        CurrentContext::set_current(&ctx).map_err(code)?;
+        Ok(CustDriver { ctx })
+    }
+
+    fn bind(&self) -> Result<(), CudaCode> {
+        CurrentContext::set_current(&self.ctx).map_err(code)
+    }
+
+    fn mem_info(&self) -> Result<(u64, u64), CudaCode> {
+        let (free, total) = mem_get_info().map_err(code)?;
+        Ok((free as u64, total as u64))
+    }
+
+    fn synchronize(&self) -> Result<(), CudaCode> {
+        CurrentContext::synchronize().map_err(code)
+    }
+
+    fn load_module(&self, image: &[u8]) -> Result<Module, CudaCode> {
+        Module::from_cubin(image, &[]).map_err(code)
+    }
+
+    fn function(&self, module: &Module, name: &str) -> Result<Function, CudaCode> {
+        Ok(Function(module.get_function(name).map_err(code)?.to_raw()))
+    }
+
+    fn global_u64(&self, module: &Module, name: &str) -> Result<Option<u64>, CudaCode> {
+        let name = CString::new(name).map_err(|_| CudaCode::NOT_FOUND)?;
+        match module.get_global::<u64>(&name) {
+            Ok(sym) => {
+                let mut v = 0u64;
+                sym.copy_to(&mut v).map_err(code)?;
+                Ok(Some(v))
+            }
+            Err(CudaError::NotFound) => Ok(None),
+            Err(e) => Err(code(e)),
+        }
+    }
+
+    fn set_max_dynamic_smem(&self, f: Function, bytes: u32) -> Result<(), CudaCode> {
+        let v = i32::try_from(bytes).map_err(|_| CudaCode(1))?;
+        let a = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        // SAFETY: a valid function handle of a loaded module.
+        check(unsafe { sys::cuFuncSetAttribute(f.0, a, v) })
+    }
+
+    fn registers(&self, f: Function) -> Result<i32, CudaCode> {
+        let mut v: c_int = 0;
+        let a = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS;
+        // SAFETY: a valid function handle and out pointer.
+        check(unsafe { sys::cuFuncGetAttribute(&mut v, a, f.0) })?;
+        Ok(v)
+    }
+
+    fn occupancy(&self, f: Function, block: u32, smem: u32) -> Result<i32, CudaCode> {
+        let mut n: c_int = 0;
+        // SAFETY: a valid function handle and out pointer.
+        check(unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut n,
+                f.0,
+                block as c_int,
+                smem as usize,
+            )
+        })?;
+        Ok(n)
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<Memory, CudaCode> {
+        // SAFETY: device memory; the caller initialises it.
+        unsafe { DeviceBuffer::uninitialized(bytes) }
+            .map(Memory)
+            .map_err(code)
+    }
+
+    fn alloc_mapped(&self, bytes: usize) -> Result<MappedHost, CudaCode> {
+        let mut host: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a pinned allocation, zeroed below before any use.
+        check(unsafe {
+            sys::cuMemHostAlloc(
+                &mut host,
+                bytes,
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        })?;
+        // SAFETY: `bytes` pinned bytes with DEVICEMAP, released by
+        // cuMemFreeHost.
+        unsafe {
+            MappedHost::adopt(host, bytes, free_host, |h| {
+                let mut device: sys::CUdeviceptr = 0;
+                check(sys::cuMemHostGetDevicePointer_v2(&mut device, h, 0))?;
+                Ok(device)
+            })
+        }
+    }
+
+    unsafe fn htod(&self, dst: u64, src: &[u8]) -> Result<(), CudaCode> {
+        // SAFETY: per the trait's contract.
+        unsafe { cust::memory::memcpy_htod(dst, src.as_ptr().cast(), src.len()) }.map_err(code)
+    }
+
+    unsafe fn dtoh(&self, dst: &mut [u8], src: u64) -> Result<(), CudaCode> {
+        // SAFETY: per the trait's contract.
+        check(unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len()) })
+    }
+
+    unsafe fn htod_async(
+        &self,
+        dst: u64,
+        src: &MappedHost,
+        bytes: usize,
+        stream: &Stream,
+    ) -> Result<(), CudaCode> {
+        // SAFETY: per the trait's contract.
+        check(unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.host_ptr().cast(), bytes, stream.as_inner())
+        })
+    }
+
+    unsafe fn memset_d8(&self, dst: u64, value: u8, n: usize) -> Result<(), CudaCode> {
+        // SAFETY: per the trait's contract.
+        check(unsafe { sys::cuMemsetD8_v2(dst, value, n) })
+    }
+
+    unsafe fn memset_d16(&self, dst: u64, value: u16, n: usize) -> Result<(), CudaCode> {
+        // SAFETY: per the trait's contract.
+        check(unsafe { sys::cuMemsetD16_v2(dst, value, n) })
+    }
+
+    fn stream(&self) -> Result<Stream, CudaCode> {
+        Stream::new(StreamFlags::NON_BLOCKING, None).map_err(code)
+    }
+
+    fn stream_synchronize(&self, stream: &Stream) -> Result<(), CudaCode> {
+        stream.synchronize().map_err(code)
+    }
+
+    unsafe fn launch(
+        &self,
+        f: Function,
+        grid: u32,
+        block: u32,
+        smem: u32,
+        stream: &Stream,
+        params: *mut c_void,
+        cooperative: bool,
+    ) -> Result<(), CudaCode> {
+        let mut args = [params];
+        // SAFETY: per the trait's contract; the driver copies the block.
+        check(unsafe {
+            if cooperative {
+                sys::cuLaunchCooperativeKernel(
+                    f.0,
+                    grid,
+                    1,
+                    1,
+                    block,
+                    1,
+                    1,
+                    smem,
+                    stream.as_inner(),
+                    args.as_mut_ptr(),
+                )
+            } else {
+                sys::cuLaunchKernel(
+                    f.0,
+                    grid,
+                    1,
+                    1,
+                    block,
+                    1,
+                    1,
+                    smem,
+                    stream.as_inner(),
+                    args.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+        })
+    }
+
+    fn event(&self) -> Result<Event, CudaCode> {
+        Event::new(EventFlags::DEFAULT).map_err(code)
+    }
+
+    fn record(&self, event: &Event, stream: &Stream) -> Result<(), CudaCode> {
+        event.record(stream).map_err(code)
+    }
+
+    fn query(&self, event: &Event) -> Result<bool, CudaCode> {
+        match event.query().map_err(code)? {
+            EventStatus::Ready => Ok(true),
+            EventStatus::NotReady => Ok(false),
+        }
+    }
+
+    fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f32, CudaCode> {
+        end.elapsed_time_f32(start).map_err(code)
+    }
+}

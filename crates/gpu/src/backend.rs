@@ -1,0 +1,904 @@
+//! [`GpuBackend`]: the megakernel engine on one GPU, over any [`Driver`].
+
+use std::ffi::c_void;
+use std::time::{Duration, Instant};
+
+use qmk_engine::{Backend, BackendKind, StepOutput};
+use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG, FLAG_DEBUG_OOB};
+use qmk_kernels::{
+    source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, PrefillParams, Resources,
+    THREADS_PER_CTA,
+};
+use qmk_model::{Config, Weights};
+
+use crate::cuda::{describe_cubin, CudaCode};
+use crate::driver::{device_info, DeviceMemory, Driver};
+use crate::error::{Error, Result};
+use crate::options::{DeviceInfo, Options, Progress, ABORT_GRACE};
+use crate::plan::{
+    base_params, clamp_prefill_chunk, duration_ns, prefill_chunks, prefill_launch_params,
+    set_buffer, set_prefill_buffer, Buffer, LaunchInfo, MemoryPlan,
+};
+use crate::staging::{
+    planned_chunks, stage_exact, tie_embeddings, WeightSource, UPLOAD_PIECE_BYTES,
+};
+use crate::status::StatusBlock;
+
+/// The cubin's kernels (valid as long as the module is).
+pub(crate) struct Functions<D: Driver> {
+    pub step: D::Function,
+    pub stream_read: D::Function,
+    pub probe: D::Function,
+    pub probe_fill: D::Function,
+}
+
+/// The tensor-core prefill path ([`Options::prefill_chunk`]): its kernel,
+/// launch shape and a parameter block with its scratch buffers set.
+pub(crate) struct Prefill<D: Driver> {
+    pub func: D::Function,
+    pub launch: LaunchInfo,
+    pub scratch: PrefillParams,
+    pub chunk: u32,
+}
+
+/// The megakernel engine on one GPU: weights, KV cache, scratch and the
+/// loaded cubin, driven through the binding `D`. Implements
+/// [`qmk_engine::Backend`]; every wait is bounded (the kernel's spin budget
+/// and a host deadline), a kernel error asks for [`Backend::reset`], and a
+/// sticky CUDA error makes the engine refuse all further work.
+pub struct GpuBackend<D: Driver> {
+    pub(crate) info: DeviceInfo,
+    pub(crate) config: Config,
+    pub(crate) build: KernelBuild,
+    cubin_log: String,
+    pub(crate) funcs: Functions<D>,
+    pub(crate) params: KernelParams,
+    pub(crate) launch: LaunchInfo,
+    pub(crate) memory: MemoryPlan,
+    pub(crate) capacity: usize,
+    pub(crate) next_pos: usize,
+    dead: Option<String>,
+    needs_reset: Option<String>,
+    debug_flags: u32,
+    last_argmax: u32,
+    pub(crate) opts: Options,
+    /// How long the weight upload took (synchronous copies, closed by a
+    /// context synchronisation).
+    upload_time: Duration,
+    pub(crate) prefill: Option<Prefill<D>>,
+    // Field order is drop order: the stream first, the context last.
+    pub(crate) stream: D::Stream,
+    pub(crate) status: StatusBlock<D>,
+    sync: D::Memory,
+    logits: D::Memory,
+    _buffers: Vec<D::Memory>,
+    _weights: Vec<D::Memory>,
+    _module: D::Module,
+    pub(crate) driver: D,
+}
+
+// SAFETY: the driver handles (context, module, functions, streams, events,
+// pinned pointers) belong to the context, not to a thread; every entry point
+// (and Drop) makes the context current on the calling thread first
+// (`usable()` / `bind()`), and `&mut self` serialises all use.
+unsafe impl<D: Driver> Send for GpuBackend<D> {}
+
+/// `bytes` of device memory (at least 16), uninitialised or zeroed; an
+/// out-of-memory answer names `what`.
+pub(crate) fn alloc<D: Driver>(d: &D, bytes: u64, what: &str, zeroed: bool) -> Result<D::Memory> {
+    let n = usize::try_from(bytes.max(16)).map_err(|_| Error::Overflow(what.to_string()))?;
+    let buf = d.alloc(n).map_err(|code| match code {
+        CudaCode::OUT_OF_MEMORY => Error::OutOfMemory {
+            what: what.to_string(),
+            needed: bytes,
+            available: d.mem_info().map(|(f, _)| f).unwrap_or(0),
+        },
+        code => Error::driver("cuMemAlloc", code),
+    })?;
+    if zeroed {
+        // SAFETY: buf holds n bytes. The memset runs on the legacy stream,
+        // which the backend's non-blocking streams do not wait for:
+        // synchronise before anyone launches.
+        unsafe { d.memset_d8(buf.addr(), 0, n) }
+            .and_then(|()| d.synchronize())
+            .map_err(Error::at("cuMemsetD8"))?;
+    }
+    Ok(buf)
+}
+
+/// Copies `src` to device address `dst` in [`UPLOAD_PIECE_BYTES`] pieces.
+///
+/// # Safety
+/// `dst..dst + src.len()` lies in a live allocation.
+unsafe fn upload<D: Driver>(
+    d: &D,
+    dst: u64,
+    src: &[u8],
+    progress: &mut dyn Progress,
+) -> Result<()> {
+    for (i, piece) in src.chunks(UPLOAD_PIECE_BYTES).enumerate() {
+        let at = dst + (i * UPLOAD_PIECE_BYTES) as u64;
+        // SAFETY: per the caller.
+        unsafe { d.htod(at, piece) }.map_err(Error::at("cuMemcpyHtoD"))?;
+        progress.advance(piece.len() as u64);
+    }
+    Ok(())
+}
+
+/// Sets `f`'s dynamic shared memory and sizes its cooperative grid.
+fn launch_shape<D: Driver>(
+    d: &D,
+    f: D::Function,
+    smem: u32,
+    sms: u32,
+    cap: Option<u32>,
+    device: &str,
+    kernel: &str,
+) -> Result<LaunchInfo> {
+    d.set_max_dynamic_smem(f, smem)
+        .map_err(Error::at("cuFuncSetAttribute"))?;
+    let occ = d
+        .occupancy(f, THREADS_PER_CTA, smem)
+        .map_err(Error::at("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+    let registers = d.registers(f).unwrap_or(0) as u32;
+    LaunchInfo::from_occupancy(occ, sms, cap, smem, registers).ok_or_else(|| Error::Launch {
+        device: device.to_string(),
+        reason: format!(
+            "no {kernel} CTA of {THREADS_PER_CTA} threads with {smem} B shared memory fits on an SM \
+             (occupancy {occ})"
+        ),
+    })
+}
+
+impl<D: Driver> GpuBackend<D> {
+    /// Uploads `weights` (split per the kernel's plan), compiles or loads the
+    /// cubin for this device, and sizes the KV cache for `opts.capacity`.
+    pub fn new(weights: &Weights, opts: Options, progress: &mut dyn Progress) -> Result<Self> {
+        GpuBackend::from_source(weights, opts, progress)
+    }
+
+    /// [`GpuBackend::new`] with the weights' bytes from any
+    /// [`WeightSource`].
+    pub fn from_source(
+        source: &dyn WeightSource,
+        opts: Options,
+        progress: &mut dyn Progress,
+    ) -> Result<Self> {
+        let mut info = device_info::<D>(opts.device)?;
+        let driver = D::open(opts.device).map_err(Error::at("cuDevicePrimaryCtxRetain"))?;
+        info.free_mem = driver.mem_info().map_err(Error::at("cuMemGetInfo"))?.0;
+        let config = source.config().clone();
+        let capacity = u32::try_from(opts.capacity)
+            .ok()
+            .filter(|&c| c > 0)
+            .ok_or_else(|| Error::Option {
+                field: "capacity",
+                reason: format!("{} is outside 1..=2^32-1", opts.capacity),
+            })?;
+        let prefill_chunk = clamp_prefill_chunk(opts.prefill_chunk, capacity);
+        let build = match &opts.plan {
+            Some(plan) => KernelBuild::with_plan(&config, plan.clone())?,
+            None => KernelBuild::new(&config)?,
+        };
+        let cubin = match &opts.cubin {
+            Some(path) => Cubin::from_file(path, info.arch)?,
+            None => Compiler::new()?.compile(&build, info.arch)?,
+        };
+        let device_name = format!("{} ({})", info.name, info.arch);
+        if build.smem_bytes > info.max_smem_optin {
+            return Err(Error::SharedMemory {
+                kernel: "megakernel",
+                needed: build.smem_bytes,
+                available: info.max_smem_optin,
+                device: device_name,
+            });
+        }
+        if !info.cooperative {
+            return Err(Error::Launch {
+                device: device_name,
+                reason: "the device does not support cooperative launch".into(),
+            });
+        }
+
+        // Module, fingerprint, functions.
+        let module = driver.load_module(&cubin.bytes).map_err(|code| {
+            if code.is_foreign_image() {
+                Error::CubinArch {
+                    cubin: describe_cubin(&cubin.bytes, opts.cubin.as_deref()),
+                    device: device_name.clone(),
+                    code,
+                }
+            } else {
+                Error::driver("cuModuleLoadData", code)
+            }
+        })?;
+        let get = |name: &str| {
+            driver
+                .function(&module, name)
+                .map_err(Error::at("cuModuleGetFunction"))
+        };
+        let funcs = Functions::<D> {
+            step: get(entry::DECODE_STEP)?,
+            stream_read: get(entry::STREAM_READ)?,
+            probe: get(entry::TRAP_PROBE)?,
+            probe_fill: get(entry::PROBE_FILL)?,
+        };
+        let found = driver
+            .global_u64(&module, entry::FINGERPRINT)
+            .map_err(Error::at("cuModuleGetGlobal (fingerprint)"))?
+            .unwrap_or(0);
+        if found != build.fingerprint {
+            return Err(Error::Fingerprint {
+                expected: build.fingerprint,
+                found,
+            });
+        }
+
+        // Launch shape: occupancy x SMs, every CTA co-resident.
+        let launch = launch_shape(
+            &driver,
+            funcs.step,
+            build.smem_bytes,
+            info.sms,
+            opts.ctas_per_sm,
+            &device_name,
+            "decode",
+        )?;
+
+        // The prefill kernel, when enabled: same CTA size, its own shared
+        // memory; never more CTAs per SM than the decode grid (the LM head's
+        // partials are sized for that grid).
+        let prefill_fn = match prefill_chunk {
+            None => None,
+            Some(_) => {
+                let f = get(entry::PREFILL_CHUNK)?;
+                let pf_smem = build.prefill_smem_for(info.arch);
+                if pf_smem > info.max_smem_optin {
+                    return Err(Error::SharedMemory {
+                        kernel: "prefill kernel",
+                        needed: pf_smem,
+                        available: info.max_smem_optin,
+                        device: device_name,
+                    });
+                }
+                let l = launch_shape(
+                    &driver,
+                    f,
+                    pf_smem,
+                    info.sms,
+                    Some(launch.ctas_per_sm),
+                    &device_name,
+                    "prefill",
+                )?;
+                Some((f, l))
+            }
+        };
+
+        // Memory plan, checked before the first allocation.
+        let memory = MemoryPlan::new(&config, capacity, launch.grid, prefill_chunk)?;
+        if memory.total_bytes > info.free_mem {
+            return Err(Error::OutOfMemory {
+                what: format!(
+                    "{} weights + a {}-position KV cache ({} B weights, {} B KV)",
+                    config.model_type,
+                    capacity,
+                    memory.weight_bytes,
+                    2 * memory.kv_cache_bytes
+                ),
+                needed: memory.total_bytes,
+                available: info.free_mem,
+            });
+        }
+
+        let mut params = base_params(&config, capacity, opts.spin_timeout);
+
+        // Weights: one allocation per planned chunk, in plan order.
+        let chunks = planned_chunks(&build)?;
+        let t0 = Instant::now();
+        progress.begin("uploading weights", memory.weight_bytes);
+        let mut weights = Vec::with_capacity(chunks.len());
+        for c in &chunks {
+            let what = format!("{} chunk {}", c.tensor, c.chunk);
+            let buf = alloc(&driver, c.bytes, &what, false)?;
+            stage_exact(source, c, &mut |off, piece| {
+                // SAFETY: stage_exact keeps off + piece.len() <= c.bytes,
+                // the size of buf.
+                unsafe { upload(&driver, buf.addr() + off, piece, progress) }
+            })?;
+            c.set(&mut params, buf.addr());
+            weights.push(buf);
+        }
+        driver
+            .synchronize()
+            .map_err(Error::at("cuCtxSynchronize (weight upload)"))?;
+        let upload_time = t0.elapsed();
+        progress.finish();
+        tie_embeddings(&config, &mut params);
+
+        // KV cache, rope tables, scratch: zeroed but for the rope tables.
+        let rope =
+            qmk_model::reference::Rope::new(config.head_dim(), config.rope_theta, opts.capacity);
+        let mut buffers = Vec::with_capacity(memory.buffers.len() + memory.prefill.len());
+        let (mut sync, mut logits) = (None, None);
+        for &(b, bytes) in &memory.buffers {
+            let table = match b {
+                Buffer::RopeCos => Some(&rope.cos),
+                Buffer::RopeSin => Some(&rope.sin),
+                _ => None,
+            };
+            let buf = alloc(&driver, bytes, b.name(), table.is_none())?;
+            if let Some(t) = table {
+                let src: &[u8] = bytemuck::cast_slice(t);
+                if src.len() as u64 != bytes {
+                    return Err(Error::Overflow(format!(
+                        "{}: the host table has {} bytes, the plan {bytes}",
+                        b.name(),
+                        src.len()
+                    )));
+                }
+                // SAFETY: buf holds `bytes` = src.len() bytes.
+                unsafe { upload(&driver, buf.addr(), src, &mut ()) }?;
+            }
+            set_buffer(&mut params, b, buf.addr());
+            match b {
+                Buffer::Sync => sync = Some(buf),
+                Buffer::Logits => logits = Some(buf),
+                _ => buffers.push(buf),
+            }
+        }
+        let sync = sync.expect("the memory plan has a sync buffer");
+        let logits = logits.expect("the memory plan has a logits buffer");
+        let status = StatusBlock::new(&driver)?;
+        params.status = status.device_ptr();
+        let prefill = match (prefill_fn, prefill_chunk) {
+            (Some((func, launch)), Some(chunk)) => {
+                let mut scratch: PrefillParams = bytemuck::Zeroable::zeroed();
+                for &(b, bytes) in &memory.prefill {
+                    let buf = alloc(&driver, bytes, b.name(), true)?;
+                    set_prefill_buffer(&mut scratch, b, buf.addr());
+                    buffers.push(buf);
+                }
+                scratch.max_tokens = chunk;
+                Some(Prefill {
+                    func,
+                    launch,
+                    scratch,
+                    chunk,
+                })
+            }
+            _ => None,
+        };
+        // Pageable uploads may return before their last DMA lands.
+        driver
+            .synchronize()
+            .map_err(Error::at("cuCtxSynchronize"))?;
+        let stream = driver.stream().map_err(Error::at("cuStreamCreate"))?;
+        Ok(GpuBackend {
+            info,
+            config,
+            build,
+            cubin_log: cubin.log,
+            funcs,
+            params,
+            launch,
+            memory,
+            capacity: opts.capacity,
+            next_pos: 0,
+            dead: None,
+            needs_reset: None,
+            debug_flags: 0,
+            last_argmax: 0,
+            opts,
+            upload_time,
+            prefill,
+            stream,
+            status,
+            sync,
+            logits,
+            _buffers: buffers,
+            _weights: weights,
+            _module: module,
+            driver,
+        })
+    }
+
+    /// The device this engine runs on.
+    pub fn device(&self) -> &DeviceInfo {
+        &self.info
+    }
+    /// The model.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+    /// The decode kernel's cooperative launch shape.
+    pub fn launch_info(&self) -> LaunchInfo {
+        self.launch
+    }
+    /// The plan and rendered headers the cubin was built from.
+    pub fn kernel_build(&self) -> &KernelBuild {
+        &self.build
+    }
+    /// Every device allocation's size.
+    pub fn memory_plan(&self) -> &MemoryPlan {
+        &self.memory
+    }
+    /// Registers, spills and static smem per kernel (empty for a cubin
+    /// loaded from a file).
+    pub fn resources(&self) -> Vec<Resources> {
+        qmk_kernels::parse_ptxas_log(&self.cubin_log)
+    }
+    /// The device's SM architecture.
+    pub fn arch(&self) -> Arch {
+        self.info.arch
+    }
+    /// How long the weight upload took (synchronous copies, closed by a
+    /// context synchronisation), and its bytes.
+    pub fn upload_stats(&self) -> (Duration, u64) {
+        (self.upload_time, self.memory.weight_bytes)
+    }
+    /// Grid barriers the last completed step passed (reported by the kernel).
+    pub fn barriers_last_step(&mut self) -> Result<u32> {
+        self.usable()?;
+        let st = self.status.read(&self.driver).map_err(|e| self.note(e))?;
+        Ok(st.barriers)
+    }
+    /// Changes the kernel's spin-wait budget (tests use a tiny one to force
+    /// a barrier timeout).
+    pub fn set_spin_timeout(&mut self, t: Duration) {
+        self.params.spin_timeout_ns = duration_ns(t);
+    }
+    /// Test hook: `true` makes the next steps hang at their first grid
+    /// barrier (one CTA never arrives), to exercise the bounded waits.
+    #[doc(hidden)]
+    pub fn set_debug_hang(&mut self, on: bool) {
+        self.set_kernel_flags(FLAG_DEBUG_HANG, on);
+    }
+    /// A/B and test hook: sets (`on`) or clears the kernel flag bits `mask`
+    /// (`qmk_kernels::params::FLAG_*`, e.g. `FLAG_ATTN_NO_SPLIT`) for every
+    /// following step and prefill launch.
+    #[doc(hidden)]
+    pub fn set_kernel_flags(&mut self, mask: u32, on: bool) {
+        self.debug_flags = if on {
+            self.debug_flags | mask
+        } else {
+            self.debug_flags & !mask
+        };
+    }
+    /// Test hook: `true` makes the next steps read out of bounds (one word
+    /// past the logits buffer, then an address with no mapping), a real
+    /// CUDA_ERROR_ILLEGAL_ADDRESS: the engine must become unusable.
+    #[doc(hidden)]
+    pub fn set_debug_oob(&mut self, on: bool) {
+        self.set_kernel_flags(FLAG_DEBUG_OOB, on);
+    }
+    /// Changes the host deadline of one step.
+    pub fn set_step_deadline(&mut self, t: Duration) {
+        self.opts.step_deadline = t;
+    }
+    /// Changes the shortest prompt that `Backend::prefill` sends to the
+    /// prefill kernel ([`Options::prefill_min_tokens`]; tests and the
+    /// threshold measurement time both paths on one backend).
+    pub fn set_prefill_min_tokens(&mut self, n: usize) {
+        self.opts.prefill_min_tokens = n;
+    }
+    /// The prefill kernel's launch shape and chunk size, when enabled
+    /// ([`Options::prefill_chunk`]).
+    pub fn prefill_launch(&self) -> Option<(LaunchInfo, u32)> {
+        self.prefill.as_ref().map(|p| (p.launch, p.chunk))
+    }
+
+    /// The whole KV cache as bf16 bits, K then V, each `[L, C, KV]` (tests
+    /// compare it with the CPU reference's cache).
+    pub fn read_kv_cache(&mut self) -> Result<(Vec<u16>, Vec<u16>)> {
+        self.usable()?;
+        let n = (self.memory.kv_cache_bytes / 2) as usize;
+        let (mut k, mut v) = (vec![0u16; n], vec![0u16; n]);
+        for (dst, src) in [(&mut k, self.params.k_cache), (&mut v, self.params.v_cache)] {
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(dst.as_mut_slice());
+            // SAFETY: each cache holds kv_cache_bytes = 2 n bytes at src; no
+            // step is running.
+            let r = unsafe { self.driver.dtoh(bytes, src) };
+            r.map_err(|c| self.fail("cuMemcpyDtoH (KV cache)", c))?;
+        }
+        Ok((k, v))
+    }
+
+    /// Synchronises the whole context (benches close host-clock timings
+    /// with it).
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.bind()?;
+        let r = self.driver.synchronize();
+        r.map_err(|c| self.fail("cuCtxSynchronize", c))
+    }
+
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.driver.bind().map_err(Error::at("cuCtxSetCurrent"))
+    }
+
+    /// Refuses work on a dead engine (before any driver call: binding a
+    /// context that holds a sticky error could report a new error) or on
+    /// one that needs a reset; binds the context.
+    pub(crate) fn usable(&self) -> Result<()> {
+        if let Some(r) = &self.dead {
+            return Err(Error::Unusable { reason: r.clone() });
+        }
+        self.bind()?;
+        if let Some(r) = &self.needs_reset {
+            return Err(Error::NeedsReset(r.clone()));
+        }
+        Ok(())
+    }
+
+    /// Records a failure; a sticky one marks the engine unusable.
+    pub(crate) fn note(&mut self, e: Error) -> Error {
+        if let Error::Unusable { reason } = &e {
+            self.dead = Some(reason.clone());
+        }
+        e
+    }
+
+    /// A failed driver `call` made on behalf of this engine.
+    pub(crate) fn fail(&mut self, call: &'static str, code: CudaCode) -> Error {
+        self.note(Error::driver(call, code))
+    }
+
+    /// Launches `f` cooperatively with one by-value parameter block.
+    ///
+    /// # Safety
+    /// `P` must be the kernel's parameter type and every address in it a
+    /// live allocation until the launch completes.
+    pub(crate) unsafe fn launch_cooperative<P>(
+        &mut self,
+        f: D::Function,
+        grid: u32,
+        smem: u32,
+        params: &mut P,
+        what: &'static str,
+    ) -> Result<()> {
+        let p = (params as *mut P).cast::<c_void>();
+        // SAFETY: per the caller; the driver copies the block at launch.
+        let r = unsafe {
+            self.driver
+                .launch(f, grid, THREADS_PER_CTA, smem, &self.stream, p, true)
+        };
+        match r {
+            Ok(()) => Ok(()),
+            Err(CudaCode::COOPERATIVE_LAUNCH_TOO_LARGE) => Err(Error::Launch {
+                device: self.info.name.clone(),
+                reason: format!("grid of {grid} CTAs is too large for a cooperative launch"),
+            }),
+            Err(code) => Err(self.fail(what, code)),
+        }
+    }
+
+    /// Queues one decode step (no wait).
+    pub(crate) fn launch_step(&mut self, token: u32, pos: usize, flags: u32) -> Result<()> {
+        self.params.token = token;
+        self.params.pos = u32::try_from(pos).map_err(|_| Error::Position {
+            pos,
+            reason: "does not fit the kernel's 32-bit position".into(),
+        })?;
+        self.params.flags = flags | self.debug_flags;
+        let mut p = self.params;
+        let (f, grid, smem) = (self.funcs.step, self.launch.grid, self.launch.smem_bytes);
+        // SAFETY: qmk_decode_step takes one KernelParams by value; every
+        // address in it is a live allocation of self.
+        unsafe { self.launch_cooperative(f, grid, smem, &mut p, "cuLaunchCooperativeKernel") }
+    }
+
+    /// Queues one prefill chunk (positions `start..start + len`; no wait).
+    pub(crate) fn launch_prefill(&mut self, start: u32, len: u32) -> Result<()> {
+        let Some(pf) = self.prefill.as_ref() else {
+            return Err(Error::Option {
+                field: "prefill_chunk",
+                reason: "the prefill kernel is not enabled".into(),
+            });
+        };
+        let (func, launch) = (pf.func, pf.launch);
+        let mut p = prefill_launch_params(
+            &self.config,
+            &self.params,
+            &pf.scratch,
+            start,
+            len,
+            self.debug_flags,
+        );
+        // SAFETY: qmk_prefill_chunk takes one PrefillParams by value; every
+        // address in it is a live allocation of self.
+        unsafe {
+            self.launch_cooperative(
+                func,
+                launch.grid,
+                launch.smem_bytes,
+                &mut p,
+                "cuLaunchCooperativeKernel (prefill)",
+            )
+        }
+    }
+
+    pub(crate) fn new_event(&mut self) -> Result<D::Event> {
+        let r = self.driver.event();
+        r.map_err(|c| self.fail("cuEventCreate", c))
+    }
+
+    pub(crate) fn record(&mut self, ev: &D::Event) -> Result<()> {
+        let r = self.driver.record(ev, &self.stream);
+        r.map_err(|c| self.fail("cuEventRecord", c))
+    }
+
+    pub(crate) fn elapsed_ms(&mut self, a: &D::Event, b: &D::Event) -> Result<f64> {
+        let r = self.driver.elapsed_ms(a, b);
+        r.map(f64::from)
+            .map_err(|c| self.fail("cuEventElapsedTime", c))
+    }
+
+    /// The deadline of `n` queued launches.
+    pub(crate) fn deadline_of(&self, n: usize) -> Duration {
+        self.opts
+            .step_deadline
+            .saturating_mul(u32::try_from(n).unwrap_or(u32::MAX))
+    }
+
+    /// Waits for `ev` with the host deadline; past it, raises the kernel's
+    /// abort flag, waits a grace period, and reports a timeout. Then checks
+    /// the kernel's own error report.
+    pub(crate) fn wait(&mut self, ev: &D::Event, deadline: Duration) -> Result<()> {
+        let t0 = Instant::now();
+        let mut aborted = false;
+        loop {
+            match self.driver.query(ev) {
+                Ok(true) => break,
+                Ok(false) => {}
+                Err(c) => return Err(self.fail("cuEventQuery (kernel execution)", c)),
+            }
+            let el = t0.elapsed();
+            if !aborted && el > deadline {
+                let r = self.status.set_abort(&self.driver, 1);
+                r.map_err(|e| self.note(e))?;
+                aborted = true;
+            }
+            if aborted && el > deadline + ABORT_GRACE {
+                let reason = format!(
+                    "the kernel did not stop within {} s of the abort flag (deadline {} ms)",
+                    ABORT_GRACE.as_secs(),
+                    deadline.as_millis()
+                );
+                self.dead = Some(reason.clone());
+                return Err(Error::Timeout {
+                    deadline_ms: deadline.as_millis(),
+                    detail: reason,
+                });
+            }
+            if el > Duration::from_micros(500) {
+                std::thread::sleep(Duration::from_micros(20));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        if aborted {
+            let r = self.status.set_abort(&self.driver, 0);
+            r.map_err(|e| self.note(e))?;
+            let detail = match self.kernel_status() {
+                Err(e) => format!("the kernel stopped on the abort flag: {e}"),
+                Ok(()) => "the kernel finished just after the deadline".to_string(),
+            };
+            self.needs_reset = Some("a step timed out".into());
+            return Err(Error::Timeout {
+                deadline_ms: deadline.as_millis(),
+                detail,
+            });
+        }
+        self.kernel_status()
+    }
+
+    /// Reads the kernel's error report; on an error, clears the barrier
+    /// state and requires a reset.
+    fn kernel_status(&mut self) -> Result<()> {
+        let st = self.status.read(&self.driver);
+        let st = st.map_err(|e| self.note(e))?;
+        if st.error == err::NONE {
+            self.last_argmax = st.argmax;
+            return Ok(());
+        }
+        let e = Error::Kernel {
+            code: st.error,
+            what: err::name(st.error),
+            phase: phase_name(st.phase),
+            layer: st.layer,
+            cta: st.cta,
+        };
+        self.clear_kernel_state()?;
+        self.needs_reset = Some(e.to_string());
+        Err(e)
+    }
+
+    /// Zeroes the barrier state and the status block (the kernel is not
+    /// running).
+    fn clear_kernel_state(&mut self) -> Result<()> {
+        // SAFETY: sync holds a SyncState. Synchronise: the legacy-stream
+        // memset is not ordered before launches on our stream.
+        let r = unsafe {
+            self.driver
+                .memset_d8(self.sync.addr(), 0, self.sync.bytes())
+        }
+        .and_then(|()| self.driver.synchronize());
+        r.map_err(|c| self.fail("cuMemsetD8", c))?;
+        let r = self.status.clear(&self.driver);
+        r.map_err(|e| self.note(e))
+    }
+
+    fn check_token(&self, token: u32) -> Result<()> {
+        if token as usize >= self.config.vocab_size {
+            return Err(Error::Token {
+                token,
+                vocab: self.config.vocab_size,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_inputs(&self, token: u32, pos: usize) -> Result<()> {
+        self.check_token(token)?;
+        if pos >= self.capacity {
+            return Err(Error::Position {
+                pos,
+                reason: format!("the KV cache holds {} positions", self.capacity),
+            });
+        }
+        if pos > self.next_pos {
+            return Err(Error::Position {
+                pos,
+                reason: format!("positions must be fed in order; next is {}", self.next_pos),
+            });
+        }
+        Ok(())
+    }
+
+    /// Every token and position of a prompt at `start`, checked before
+    /// anything is launched.
+    fn check_prompt(&self, tokens: &[u32], start: usize) -> Result<()> {
+        let Some((&first, rest)) = tokens.split_first() else {
+            return Err(Error::Position {
+                pos: start,
+                reason: "prefill of an empty prompt".into(),
+            });
+        };
+        self.check_inputs(first, start)?;
+        let end = start.saturating_add(tokens.len());
+        if end > self.capacity {
+            return Err(Error::Position {
+                pos: self.capacity.max(start),
+                reason: format!("the KV cache holds {} positions", self.capacity),
+            });
+        }
+        rest.iter().try_for_each(|&t| self.check_token(t))
+    }
+
+    /// The tensor-core prefill: the prompt's ids uploaded once (by
+    /// position), then one launch per chunk back to back, one wait.
+    fn prefill_chunked(&mut self, tokens: &[u32], start: usize) -> Result<()> {
+        let Some(pf) = self.prefill.as_ref() else {
+            return Err(Error::Option {
+                field: "prefill_chunk",
+                reason: "the prefill kernel is not enabled".into(),
+            });
+        };
+        let (tok_buf, chunk) = (pf.scratch.tokens, pf.chunk);
+        let bytes: &[u8] = bytemuck::cast_slice(tokens);
+        // SAFETY: the tokens buffer holds `capacity` u32 (by position);
+        // start + len <= capacity was checked; nothing is running. A
+        // pageable copy may return before its DMA lands, and the legacy
+        // stream it runs on does not order our non-blocking stream: wait.
+        let r = unsafe { self.driver.htod(tok_buf + start as u64 * 4, bytes) }
+            .and_then(|()| self.driver.synchronize());
+        r.map_err(|c| self.fail("cuMemcpyHtoD (prompt)", c))?;
+        let chunks = prefill_chunks(start, tokens.len(), chunk);
+        let ev = self.new_event()?;
+        for &(s, len) in &chunks {
+            self.launch_prefill(s, len)?;
+        }
+        self.record(&ev)?;
+        let deadline = self.deadline_of(chunks.len());
+        self.wait(&ev, deadline)
+    }
+
+    /// Decode steps for a whole prompt, launched back to back, one wait at
+    /// the end (no host round trip between positions). A kernel error in
+    /// any step is the first one reported: later steps see the claimed
+    /// error at their first barrier and stop.
+    fn queued_steps(&mut self, tokens: &[u32], start: usize) -> Result<()> {
+        let ev = self.new_event()?;
+        for (i, &t) in tokens.iter().enumerate() {
+            self.launch_step(t, start + i, 0)?;
+        }
+        self.record(&ev)?;
+        let deadline = self.deadline_of(tokens.len());
+        self.wait(&ev, deadline)
+    }
+}
+
+impl<D: Driver> Backend for GpuBackend<D> {
+    type Error = Error;
+
+    fn kind(&self) -> BackendKind {
+        D::KIND
+    }
+
+    fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn step(&mut self, token: u32, pos: usize) -> Result<StepOutput> {
+        self.usable()?;
+        self.check_inputs(token, pos)?;
+        let ev = self.new_event()?;
+        self.launch_step(token, pos, 0)?;
+        self.record(&ev)?;
+        self.wait(&ev, self.opts.step_deadline)?;
+        self.next_pos = pos + 1;
+        Ok(StepOutput {
+            argmax: self.last_argmax,
+        })
+    }
+
+    /// With [`Options::prefill_chunk`] set and at least
+    /// [`Options::prefill_min_tokens`] tokens: the tensor-core prefill
+    /// kernel, one launch per chunk. Otherwise one decode step per prompt
+    /// token, queued back to back with one wait. Every input is checked
+    /// before the first launch.
+    fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<StepOutput> {
+        self.usable()?;
+        self.check_prompt(tokens, start)?;
+        if self.prefill.is_some() && tokens.len() >= self.opts.prefill_min_tokens {
+            self.prefill_chunked(tokens, start)?;
+        } else {
+            self.queued_steps(tokens, start)?;
+        }
+        self.next_pos = start + tokens.len();
+        Ok(StepOutput {
+            argmax: self.last_argmax,
+        })
+    }
+
+    fn logits(&mut self) -> Result<Vec<f32>> {
+        self.usable()?;
+        let mut v = vec![0f32; self.config.vocab_size];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut v);
+        // SAFETY: the logits buffer holds vocab f32 (at least 16 bytes); the
+        // last step has completed.
+        let r = unsafe { self.driver.dtoh(bytes, self.logits.addr()) };
+        r.map_err(|c| self.fail("cuMemcpyDtoH (logits)", c))?;
+        Ok(v)
+    }
+
+    fn reset(&mut self) -> Result<()> {
+        if let Some(r) = &self.dead {
+            return Err(Error::Unusable { reason: r.clone() });
+        }
+        self.bind()?;
+        self.clear_kernel_state()?;
+        self.needs_reset = None;
+        self.next_pos = 0;
+        Ok(())
+    }
+}
+
+impl<D: Driver> Drop for GpuBackend<D> {
+    fn drop(&mut self) {
+        // Fields are freed next, in declaration order, with the context
+        // current; errors (a dead context) cannot be reported from drop.
+        let _ = self.bind();
+        let _ = self.driver.stream_synchronize(&self.stream);
+    }
+}
+
+impl<D: Driver> std::fmt::Debug for GpuBackend<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuBackend")
+            .field("driver", &D::NAME)
+            .field("device", &self.info)
+            .field("launch", &self.launch)
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
