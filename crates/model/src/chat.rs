@@ -107,8 +107,9 @@ const TEMPLATE_NAME: &str = "chat";
 
 /// minijinja instructions one render may execute. Qwen2.5's template spends
 /// about a hundred per message, so this covers conversations far longer
-/// than any context, and stops a runaway loop within about a second.
-pub const RENDER_FUEL: u64 = 20_000_000;
+/// than any context (the tests render 20,001 messages), and stops a runaway
+/// loop within about half a second of CPU.
+pub const RENDER_FUEL: u64 = 10_000_000;
 /// Deepest nesting of macro calls (and other recursion) in a render.
 pub const RECURSION_LIMIT: usize = 100;
 /// Largest rendered prompt, in bytes (a 128k-token prompt is under 1 MB).
