@@ -408,12 +408,8 @@ fn template_that_does_not_compile_names_its_file() {
 /// of 20,000 messages (far more than any context holds) renders.
 #[test]
 fn real_template_renders_a_very_long_conversation_within_the_limits() {
-    let path =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/fixtures/qwen-tokenizer");
-    let Ok(src) = std::fs::read_to_string(path.join("chat_template.jinja")) else {
-        eprintln!("SKIP: no tokenizer fixture at {}", path.display());
-        return;
-    };
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/qwen-tokenizer");
+    let src = std::fs::read_to_string(path.join("chat_template.jinja")).unwrap();
     let t = ChatTemplate::new(src, "chat_template.jinja", BTreeMap::new()).unwrap();
     let mut msgs = vec![Message::system("You are helpful.")];
     for i in 0..10_000 {

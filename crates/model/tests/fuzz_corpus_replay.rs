@@ -243,8 +243,8 @@ fn write_seed_corpora() {
 
     // Chat templates: Qwen2.5's (with a NUL-separated user message) and
     // hostile ones.
-    let qwen = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/fixtures/qwen-tokenizer/chat_template.jinja");
+    let qwen =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/qwen-tokenizer/chat_template.jinja");
     if let Ok(t) = std::fs::read(&qwen) {
         put("chat_template", "qwen2.5", &t);
         put(
