@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The project's test command (README): formatting, lints, and every test,
-# including the real-weights golden check and the kernel compile for
-# sm_80/sm_89/sm_90. Installs what it needs (pip packages, the real 0.5B test model,
+# The project's test command (README): formatting, lints, and every
+# test, including the real-weights golden check, the kernel compile for
+# sm_80/sm_89/sm_90 and a crate outside the workspace built against the
+# libraries. Installs what it needs (pip packages, the real 0.5B test model,
 # a stub libcuda for the cust backend) on a fresh machine; everything else
 # it reads is in the repository. GPU tests skip with a printed reason where
 # no GPU exists.
@@ -32,4 +33,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "tests"
 cargo test --workspace --locked --no-fail-fast 2>&1 | tee /tmp/qmk-test.log
+
+step "the libraries as a dependency of a crate outside the workspace"
+cargo test -p qmk-engine --locked --test downstream -- --ignored --nocapture
 step "done"
