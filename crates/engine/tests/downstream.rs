@@ -128,10 +128,8 @@ fn locked_packages(lock: &Path) -> BTreeSet<(String, String)> {
 fn cargo(dir: &Path, target: &Path, args: &[&str]) -> Command {
     let mut cmd = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     cmd.args(args)
-        .arg("--target-dir")
-        .arg(target)
         .current_dir(dir)
-        .env_remove("CARGO_TARGET_DIR")
+        .env("CARGO_TARGET_DIR", target)
         .env("CARGO_HTTP_PROXY", NO_NETWORK)
         .env("CARGO_TERM_COLOR", "never");
     cmd
