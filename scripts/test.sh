@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's test command (README): formatting, lints, and every
+# The project's test command (README): formatting, lints, docs, and every
 # test, including the real-weights golden check, the kernel compile for
 # sm_80/sm_89/sm_90 and a crate outside the workspace built against the
 # libraries. Installs what it needs (pip packages, the real 0.5B test model,
@@ -30,6 +30,11 @@ echo "fixture: $QMK_REAL_QWEN"
 
 step "clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "docs"
+# The library crates deny missing docs; the doc build must be warning-free.
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked \
+  -p qmk-layout -p qmk-model -p qmk-engine
 
 step "tests"
 cargo test --workspace --locked --no-fail-fast 2>&1 | tee /tmp/qmk-test.log

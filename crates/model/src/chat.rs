@@ -59,23 +59,29 @@ use crate::error::ModelError;
 /// One chat turn.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
+    /// `system`, `user`, `assistant` (or whatever the template knows).
     pub role: String,
+    /// The turn's text.
     pub content: String,
 }
 
 impl Message {
+    /// A turn of any role.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
         Self {
             role: role.into(),
             content: content.into(),
         }
     }
+    /// A system turn.
     pub fn system(content: impl Into<String>) -> Self {
         Self::new("system", content)
     }
+    /// A user turn.
     pub fn user(content: impl Into<String>) -> Self {
         Self::new("user", content)
     }
+    /// An assistant turn.
     pub fn assistant(content: impl Into<String>) -> Self {
         Self::new("assistant", content)
     }
