@@ -9,11 +9,11 @@
 
 mod support;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::Value;
-use support::{qwen_mk, shared_dir};
+use support::qwen_mk;
 
 fn ids(v: &Value) -> Vec<u64> {
     v.as_array()
@@ -66,10 +66,11 @@ fn check_close(golden: &Value, ours: &Value) -> Result<String, String> {
 #[test]
 fn golden_prompts_through_the_cli() {
     let Some(model) = std::env::var_os("QMK_REAL_QWEN").map(PathBuf::from) else {
-        eprintln!("SKIP: QMK_REAL_QWEN is unset (run shared/tools/fetch-real-qwen and export it)");
+        eprintln!("SKIP: QMK_REAL_QWEN is unset (run scripts/fetch-real-qwen.sh and export it)");
         return;
     };
-    let golden_path = shared_dir().join("fixtures/golden/qwen2.5-coder-0.5b-instruct.jsonl");
+    let golden_path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/data/golden/qwen2.5-coder-0.5b-instruct.jsonl");
     let text = std::fs::read_to_string(&golden_path)
         .unwrap_or_else(|e| panic!("{}: {e}", golden_path.display()));
     let goldens: Vec<Value> = text

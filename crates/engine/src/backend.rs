@@ -13,6 +13,8 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
+    /// The name the command line and error messages use: `cpu`, `cudarc`,
+    /// `cust`.
     pub fn name(self) -> &'static str {
         match self {
             BackendKind::Cpu => "cpu",
@@ -39,6 +41,7 @@ pub trait Backend {
     /// The backend's own error type.
     type Error: std::error::Error + Send + Sync + 'static;
 
+    /// Which implementation this is.
     fn kind(&self) -> BackendKind;
 
     /// Positions the KV cache holds.

@@ -30,6 +30,7 @@ impl CpuBackend {
         })
     }
 
+    /// The reference forward pass underneath (its KV cache, options).
     pub fn reference(&self) -> &Reference {
         &self.reference
     }

@@ -9,7 +9,9 @@ use crate::{Backend, EngineError};
 /// What to generate and when to stop.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerateOptions {
+    /// Most tokens to generate (the stop id, when one comes, included).
     pub max_new_tokens: usize,
+    /// How each token is chosen from the logits.
     pub sampling: Sampling,
     /// Generation stops after emitting one of these (end-of-turn, end-of-text).
     pub stop_ids: Vec<u32>,
@@ -42,8 +44,11 @@ pub enum StopReason {
 /// The result of one `generate` call.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Generation {
+    /// The prompt as given.
     pub prompt_ids: Vec<u32>,
+    /// The generated tokens, in order.
     pub output_ids: Vec<u32>,
+    /// Why generation ended.
     pub stop: StopReason,
     /// Time from the call to the first generated token (the prompt's steps).
     pub prefill: Duration,
@@ -71,6 +76,8 @@ pub struct Engine<B: Backend> {
 }
 
 impl<B: Backend> Engine<B> {
+    /// An engine over `backend` for a model of `vocab_size` tokens (prompt
+    /// ids at or past it are refused).
     pub fn new(backend: B, vocab_size: usize) -> Self {
         Engine {
             backend,
@@ -78,14 +85,17 @@ impl<B: Backend> Engine<B> {
         }
     }
 
+    /// The backend.
     pub fn backend(&self) -> &B {
         &self.backend
     }
 
+    /// The backend, for backend-specific calls between generations.
     pub fn backend_mut(&mut self) -> &mut B {
         &mut self.backend
     }
 
+    /// Gives the backend back.
     pub fn into_backend(self) -> B {
         self.backend
     }

@@ -3,24 +3,47 @@
 /// Errors of the decode loop; backend failures are carried inside, boxed.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// The prompt has no tokens.
     #[error("empty prompt: at least one token is needed to start decoding")]
     EmptyPrompt,
+    /// A prompt token id is not below the model's `vocab_size`.
     #[error("prompt token {index} has id {id}, outside the vocabulary (vocab_size = {vocab})")]
-    TokenOutOfVocab { index: usize, id: u32, vocab: usize },
+    TokenOutOfVocab {
+        /// Position of the token in the prompt.
+        index: usize,
+        /// The token id.
+        id: u32,
+        /// The model's vocabulary size.
+        vocab: usize,
+    },
+    /// The request needs more KV-cache positions than the backend holds.
     #[error(
         "prompt of {prompt} tokens + {new} new tokens = {needed} positions exceeds the KV-cache capacity of {capacity} positions"
     )]
     ContextFull {
+        /// Prompt tokens.
         prompt: usize,
+        /// Tokens asked for (`max_new_tokens`).
         new: usize,
+        /// Positions the request writes: `prompt + new - 1`.
         needed: usize,
+        /// Positions the backend's KV cache holds.
         capacity: usize,
     },
+    /// A sampling setting is out of range.
     #[error("invalid sampling value for {field}: {reason}")]
-    InvalidSampling { field: &'static str, reason: String },
+    InvalidSampling {
+        /// The [`crate::Sampling`] field at fault.
+        field: &'static str,
+        /// The value and what it must be.
+        reason: String,
+    },
+    /// The backend failed; its error is the source.
     #[error("{backend} backend: {source}")]
     Backend {
+        /// The backend's name ([`crate::BackendKind::name`]).
         backend: &'static str,
+        /// The backend's own error.
         #[source]
         source: Box<dyn std::error::Error + Send + Sync + 'static>,
     },

@@ -2,12 +2,26 @@
 //! (the CPU reference, the cudarc and cust CUDA backends), sampling, and the
 //! decode loop written once above them.
 //!
-//! ```ignore
-//! let weights = qmk_model::checkpoint::load_weights(dir)?;
-//! let backend = qmk_engine::CpuBackend::new(&weights, 4096)?;
-//! let mut engine = qmk_engine::Engine::new(backend, weights.config.vocab_size);
-//! let out = engine.generate(&prompt_ids, &GenerateOptions::default(), |_| ControlFlow::Continue(()))?;
 //! ```
+//! use std::{ops::ControlFlow, sync::Arc};
+//! use qmk_engine::{CpuBackend, Engine, GenerateOptions};
+//!
+//! // A tiny random model; `qmk_model::load_weights(dir)` reads a real one.
+//! let mut config = qmk_model::Config::preset("0.5b")?;
+//! (config.hidden_size, config.intermediate_size, config.num_hidden_layers) = (32, 64, 2);
+//! (config.num_attention_heads, config.num_key_value_heads, config.head_dim) = (4, Some(2), Some(8));
+//! config.vocab_size = 64;
+//! let weights = Arc::new(qmk_model::synthetic_weights(&config, 0));
+//!
+//! let backend = CpuBackend::new(weights.clone(), 256)?;
+//! let mut engine = Engine::new(backend, weights.config.vocab_size);
+//! let opts = GenerateOptions { max_new_tokens: 4, ..GenerateOptions::default() };
+//! let out = engine.generate(&[1, 2, 3], &opts, |_| ControlFlow::Continue(()))?;
+//! assert_eq!(out.output_ids.len(), 4);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+#![deny(missing_docs)]
 
 mod backend;
 mod cpu;

@@ -23,6 +23,7 @@ impl Default for Sampling {
 }
 
 impl Sampling {
+    /// Always the most likely token (temperature 0, no top-k / top-p).
     pub const fn greedy() -> Self {
         Sampling {
             temperature: 0.0,
@@ -32,6 +33,7 @@ impl Sampling {
         }
     }
 
+    /// Whether these settings always pick the most likely token.
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0 || self.top_k == 1
     }
@@ -73,10 +75,12 @@ pub fn argmax(logits: &[f32]) -> u32 {
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator whose sequence is fixed by `seed`.
     pub fn new(seed: u64) -> Self {
         Rng(seed)
     }
 
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;

@@ -1,5 +1,5 @@
-//! DESIGN.md section 5, "invalid sampling values": the typed error names the
-//! field (the unit tests of sampling.rs check the message only).
+//! Invalid sampling values: the typed error names the field (the unit tests
+//! of sampling.rs check the message only).
 
 use qmk_engine::{EngineError, Sampling};
 

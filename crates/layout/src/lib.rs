@@ -48,6 +48,8 @@
 //! # Ok::<(), qmk_layout::LayoutError>(())
 //! ```
 
+#![deny(missing_docs)]
+
 mod error;
 mod header;
 mod layout;

@@ -1,6 +1,6 @@
 //! CPU reference decode speed on the real Qwen2.5-Coder-0.5B-Instruct
 //! checkpoint (directory in `QMK_REAL_QWEN`, built by
-//! `shared/tools/fetch-real-qwen`; skipped with a message when unset).
+//! `scripts/fetch-real-qwen.sh`; skipped with a message when unset).
 //!
 //! `decode_step`: one `Reference::step` at position 32 after a 32-token
 //! prefill (the same cache slot is rewritten every iteration, so every
@@ -21,7 +21,7 @@ fn bench(c: &mut Criterion) {
     let Some(dir) = std::env::var_os("QMK_REAL_QWEN").map(PathBuf::from) else {
         eprintln!(
             "cpu_reference bench SKIPPED: QMK_REAL_QWEN is not set (run \
-             shared/tools/fetch-real-qwen and point QMK_REAL_QWEN at its output)"
+             scripts/fetch-real-qwen.sh and point QMK_REAL_QWEN at its output)"
         );
         return;
     };

@@ -59,23 +59,29 @@ use crate::error::ModelError;
 /// One chat turn.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Message {
+    /// `system`, `user`, `assistant` (or whatever the template knows).
     pub role: String,
+    /// The turn's text.
     pub content: String,
 }
 
 impl Message {
+    /// A turn of any role.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
         Self {
             role: role.into(),
             content: content.into(),
         }
     }
+    /// A system turn.
     pub fn system(content: impl Into<String>) -> Self {
         Self::new("system", content)
     }
+    /// A user turn.
     pub fn user(content: impl Into<String>) -> Self {
         Self::new("user", content)
     }
+    /// An assistant turn.
     pub fn assistant(content: impl Into<String>) -> Self {
         Self::new("assistant", content)
     }
@@ -107,8 +113,9 @@ const TEMPLATE_NAME: &str = "chat";
 
 /// minijinja instructions one render may execute. Qwen2.5's template spends
 /// about a hundred per message, so this covers conversations far longer
-/// than any context, and stops a runaway loop within about a second.
-pub const RENDER_FUEL: u64 = 20_000_000;
+/// than any context (the tests render 20,001 messages), and stops a runaway
+/// loop within about half a second of CPU.
+pub const RENDER_FUEL: u64 = 10_000_000;
 /// Deepest nesting of macro calls (and other recursion) in a render.
 pub const RECURSION_LIMIT: usize = 100;
 /// Largest rendered prompt, in bytes (a 128k-token prompt is under 1 MB).

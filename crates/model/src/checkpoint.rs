@@ -602,9 +602,13 @@ pub fn load_weights(dir: &Path) -> Result<Weights, ModelError> {
 /// can build bad files), shape and raw little-endian bytes.
 #[derive(Debug, Clone, Copy)]
 pub struct RawTensor<'a> {
+    /// Tensor name in the header.
     pub name: &'a str,
+    /// Safetensors dtype string, written as given.
     pub dtype: &'a str,
+    /// Shape in the header.
     pub shape: &'a [u64],
+    /// The tensor's bytes.
     pub data: &'a [u8],
 }
 
@@ -1296,7 +1300,7 @@ mod tests {
 
     /// Loads the real Qwen2.5-Coder-0.5B-Instruct fixture when
     /// `QMK_REAL_QWEN` names its directory (build it with
-    /// `shared/tools/fetch-real-qwen`).
+    /// `scripts/fetch-real-qwen.sh`).
     #[test]
     fn real_checkpoint_loads() {
         let Some(dir) = std::env::var_os("QMK_REAL_QWEN") else {

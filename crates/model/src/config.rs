@@ -1,8 +1,8 @@
 //! `config.json` of a Qwen2.5 checkpoint, Hugging Face field names verbatim,
 //! plus presets for every dense Qwen2.5 size and `generation_config.json`.
 //!
-//! OWNER: model-io helper. The field names and types of [`Config`] are the
-//! agreed shape other crates code against: extend, never rename.
+//! The field names and types of [`Config`] are what the other crates code
+//! against: extend them, never rename.
 
 use std::path::{Path, PathBuf};
 
@@ -18,12 +18,18 @@ pub const ARCHITECTURE: &str = "Qwen2ForCausalLM";
 /// The fields of a Qwen2 `config.json` the engine reads.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Config {
+    /// Model classes; must include `Qwen2ForCausalLM` when present.
     #[serde(default)]
     pub architectures: Vec<String>,
+    /// Must be `qwen2`.
     pub model_type: String,
+    /// Width of the residual stream (H).
     pub hidden_size: usize,
+    /// Width of the MLP (I).
     pub intermediate_size: usize,
+    /// Decoder layers (L).
     pub num_hidden_layers: usize,
+    /// Query heads.
     pub num_attention_heads: usize,
     /// transformers defaults a missing value to `num_attention_heads`.
     #[serde(default)]
@@ -31,20 +37,30 @@ pub struct Config {
     /// Not in every config; defaults to `hidden_size / num_attention_heads`.
     #[serde(default)]
     pub head_dim: Option<usize>,
+    /// Rows of the embedding and LM head (V).
     pub vocab_size: usize,
+    /// Longest context the model was trained for.
     pub max_position_embeddings: usize,
+    /// Epsilon of every RMSNorm.
     pub rms_norm_eps: f64,
+    /// Base of the rotary position embedding.
     pub rope_theta: f64,
+    /// The LM head is the embedding matrix.
     #[serde(default)]
     pub tie_word_embeddings: bool,
+    /// Sliding-window attention; the engine runs only `false`.
     #[serde(default)]
     pub use_sliding_window: bool,
+    /// Window size when `use_sliding_window` is set.
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// The checkpoint's dtype as transformers names it.
     #[serde(default)]
     pub torch_dtype: Option<String>,
+    /// Beginning-of-sequence token id.
     #[serde(default)]
     pub bos_token_id: Option<u32>,
+    /// End-of-sequence token id(s), an int or a list, as in the file.
     #[serde(default)]
     pub eos_token_id: Option<serde_json::Value>,
 }
@@ -52,7 +68,8 @@ pub struct Config {
 /// Names accepted by [`Config::preset`], smallest first.
 pub const PRESETS: [&str; 7] = ["0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b"];
 
-/// One row of the Qwen2.5 size table (DESIGN.md section 1).
+/// One row of the Qwen2.5 size table (the dense models' config.json
+/// values).
 struct PresetRow {
     name: &'static str,
     hidden: usize,
@@ -304,24 +321,31 @@ fn de_token_ids<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
 /// Every field is optional in the file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GenerationConfig {
+    /// Beginning-of-sequence token id.
     #[serde(default)]
     pub bos_token_id: Option<u32>,
     /// Any of these ends generation; may be an int or a list in the file.
     #[serde(default, deserialize_with = "de_token_ids")]
     pub eos_token_id: Vec<u32>,
+    /// Padding token id.
     #[serde(default)]
     pub pad_token_id: Option<u32>,
     /// false: greedy decoding.
     #[serde(default)]
     pub do_sample: bool,
+    /// Sampling temperature.
     #[serde(default)]
     pub temperature: Option<f64>,
+    /// Top-k sampling cutoff.
     #[serde(default)]
     pub top_k: Option<usize>,
+    /// Top-p (nucleus) sampling mass.
     #[serde(default)]
     pub top_p: Option<f64>,
+    /// Repetition penalty (the engine does not apply it).
     #[serde(default)]
     pub repetition_penalty: Option<f64>,
+    /// Default number of tokens to generate.
     #[serde(default)]
     pub max_new_tokens: Option<usize>,
 }

@@ -15,7 +15,9 @@ pub enum ModelError {
     /// An I/O error on a named file or directory.
     #[error("{}: {source}", .path.display())]
     Io {
+        /// The file or directory at fault.
         path: PathBuf,
+        /// The underlying error.
         #[source]
         source: std::io::Error,
     },
@@ -24,7 +26,9 @@ pub enum ModelError {
     /// not parse, or parses to the wrong shape.
     #[error("{}: invalid JSON: {source}", .path.display())]
     Json {
+        /// The file or directory at fault.
         path: PathBuf,
+        /// The underlying error.
         #[source]
         source: serde_json::Error,
     },
@@ -33,31 +37,50 @@ pub enum ModelError {
     /// A config field with a value the engine cannot run.
     #[error("{}: field `{field}`: {reason}", .path.display())]
     InvalidConfig {
+        /// The file or directory at fault.
         path: PathBuf,
+        /// The config field.
         field: &'static str,
+        /// What is wrong with the value.
         reason: String,
     },
 
     /// `Config::preset` with a name not in [`crate::config::PRESETS`].
     #[error("unknown preset `{name}` (known: {known})")]
-    UnknownPreset { name: String, known: String },
+    UnknownPreset {
+        /// The name asked for.
+        name: String,
+        /// The preset names there are.
+        known: String,
+    },
 
     // ---- checkpoint files -------------------------------------------------
     /// The directory holds neither `model.safetensors` nor
     /// `model.safetensors.index.json`.
     #[error("{}: no model.safetensors or model.safetensors.index.json", .path.display())]
-    NoCheckpoint { path: PathBuf },
+    NoCheckpoint {
+        /// The file or directory at fault.
+        path: PathBuf,
+    },
 
     /// The safetensors header itself is bad: truncated, too large, not JSON,
     /// or not the expected shape.
     #[error("{}: safetensors header: {reason}", .path.display())]
-    Header { path: PathBuf, reason: String },
+    Header {
+        /// The file or directory at fault.
+        path: PathBuf,
+        /// What is wrong with the header.
+        reason: String,
+    },
 
     /// One tensor's header entry is malformed (bad shape, bad offsets).
     #[error("{}: tensor `{tensor}`: {reason}", .path.display())]
     BadTensorEntry {
+        /// The file or directory at fault.
         path: PathBuf,
+        /// The tensor's name.
         tensor: String,
+        /// What is wrong with the entry.
         reason: String,
     },
 
@@ -68,10 +91,15 @@ pub enum ModelError {
         .path.display()
     )]
     OutOfFile {
+        /// The file or directory at fault.
         path: PathBuf,
+        /// The tensor's name.
         tensor: String,
+        /// Start of the data range, in bytes.
         begin: u64,
+        /// End of the data range (exclusive), in bytes.
         end: u64,
+        /// Bytes in the file's data section.
         data_len: u64,
     },
 
@@ -82,11 +110,17 @@ pub enum ModelError {
         .path.display()
     )]
     SizeMismatch {
+        /// The file or directory at fault.
         path: PathBuf,
+        /// The tensor's name.
         tensor: String,
+        /// The shape in the header.
         shape: Vec<u64>,
+        /// The dtype in the header.
         dtype: String,
+        /// Bytes the data range covers.
         span: u64,
+        /// Bytes the shape and dtype need.
         expected: u64,
     },
 
@@ -97,12 +131,19 @@ pub enum ModelError {
         .path.display()
     )]
     Overlap {
+        /// The file or directory at fault.
         path: PathBuf,
+        /// The first tensor's name.
         first: String,
+        /// Start of the first tensor's data range.
         first_begin: u64,
+        /// End of the first tensor's data range (exclusive).
         first_end: u64,
+        /// The second tensor's name.
         second: String,
+        /// Start of the second tensor's data range.
         second_begin: u64,
+        /// End of the second tensor's data range (exclusive).
         second_end: u64,
     },
 
@@ -112,21 +153,32 @@ pub enum ModelError {
         .path.display()
     )]
     UnsupportedDtype {
+        /// The file or directory at fault.
         path: PathBuf,
+        /// The tensor's name.
         tensor: String,
+        /// The dtype in the header.
         dtype: String,
     },
 
     /// A tensor the config requires is not in the checkpoint.
     #[error("{}: tensor `{tensor}` is missing", .path.display())]
-    MissingTensor { path: PathBuf, tensor: String },
+    MissingTensor {
+        /// The file or directory at fault.
+        path: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+    },
 
     /// `lm_head.weight` is absent while `tie_word_embeddings` is false.
     #[error(
         "{}: tensor `lm_head.weight` is missing but config.json has tie_word_embeddings = false",
         .path.display()
     )]
-    MissingLmHead { path: PathBuf },
+    MissingLmHead {
+        /// The file or directory at fault.
+        path: PathBuf,
+    },
 
     /// A tensor whose shape does not match the config.
     #[error(
@@ -134,9 +186,13 @@ pub enum ModelError {
         .path.display()
     )]
     ShapeMismatch {
+        /// The file or directory at fault.
         path: PathBuf,
+        /// The tensor's name.
         tensor: String,
+        /// The shape the config needs.
         expected: Vec<u64>,
+        /// The shape in the checkpoint.
         found: Vec<u64>,
     },
 
@@ -147,26 +203,42 @@ pub enum ModelError {
         .path.display()
     )]
     BadShard {
+        /// The file or directory at fault.
         path: PathBuf,
+        /// The shard file name the index gives.
         shard: String,
+        /// The tensor's name.
         tensor: String,
+        /// Why the shard cannot be used.
         reason: &'static str,
     },
 
     // ---- arithmetic and layout -------------------------------------------
     /// A size or offset computation overflowed its integer type.
     #[error("size of `{what}` overflows: {detail}")]
-    Overflow { what: String, detail: String },
+    Overflow {
+        /// What was being computed or allocated.
+        what: String,
+        /// The operands, or why they do not fit.
+        detail: String,
+    },
 
     /// A weight buffer could not be allocated.
     #[error("cannot allocate {bytes} bytes for `{what}`")]
-    OutOfMemory { what: String, bytes: u64 },
+    OutOfMemory {
+        /// What was being computed or allocated.
+        what: String,
+        /// Bytes asked for.
+        bytes: u64,
+    },
 
     /// The layout crate rejected a tensor's layout or plan (boxed: the
     /// layout error is large and would bloat every `Result` of this crate).
     #[error("tensor `{tensor}`: layout: {source}")]
     Layout {
+        /// The tensor's name.
         tensor: String,
+        /// The layout crate's error.
         #[source]
         source: Box<qmk_layout::LayoutError>,
     },
@@ -175,30 +247,53 @@ pub enum ModelError {
     /// tokenizer.json that cannot be read or parsed, or an encode/decode
     /// failure (the path names the tokenizer file).
     #[error("{}: {message}", .path.display())]
-    Tokenizer { path: PathBuf, message: String },
+    Tokenizer {
+        /// The file or directory at fault.
+        path: PathBuf,
+        /// What failed.
+        message: String,
+    },
 
     /// A chat template that cannot be found, compiled or rendered; `origin`
     /// names the file it came from.
     #[error("{origin}: chat template: {message}")]
-    ChatTemplate { origin: String, message: String },
+    ChatTemplate {
+        /// Where the template came from (a file, or the name given).
+        origin: String,
+        /// What failed.
+        message: String,
+    },
 
     /// A chat template that hit a resource limit while rendering
     /// (instructions, recursion depth or output size; see
     /// [`crate::chat`]): a hostile or broken template.
     #[error("{origin}: chat template: {what} passed the limit of {limit}")]
     TemplateLimit {
+        /// Where the template came from (a file, or the name given).
         origin: String,
+        /// The limit that tripped: `instructions executed`, `recursion depth`, `rendered bytes`, `operator bytes` or `sequence items`.
         what: &'static str,
+        /// The limit.
         limit: u64,
     },
 
     /// A token id at or past the model's `vocab_size`.
     #[error("token id {token} is outside the vocabulary (vocab_size = {vocab_size})")]
-    TokenOutOfVocab { token: u32, vocab_size: usize },
+    TokenOutOfVocab {
+        /// The token id.
+        token: u32,
+        /// The model's vocabulary size.
+        vocab_size: usize,
+    },
 
     /// A position at or past the KV cache capacity.
     #[error("position {pos} is outside the KV cache (capacity {capacity} positions)")]
-    PositionOutOfRange { pos: usize, capacity: usize },
+    PositionOutOfRange {
+        /// The position.
+        pos: usize,
+        /// Positions the KV cache holds.
+        capacity: usize,
+    },
 
     /// Prompt plus new tokens need more KV cache positions than there are.
     #[error(
@@ -206,8 +301,11 @@ pub enum ModelError {
          {capacity} positions"
     )]
     KvCapacity {
+        /// Prompt tokens.
         prompt: usize,
+        /// New tokens asked for.
         new_tokens: usize,
+        /// Positions the KV cache holds.
         capacity: usize,
     },
 
@@ -219,8 +317,11 @@ pub enum ModelError {
     /// built in memory rather than loaded).
     #[error("weights: tensor `{tensor}` has {found} elements but the config needs {expected}")]
     WeightLength {
+        /// The tensor's name.
         tensor: &'static str,
+        /// Elements the config needs.
         expected: usize,
+        /// Elements the buffer has.
         found: usize,
     },
 

@@ -143,7 +143,7 @@ pub fn sharded_index(data: &[u8]) {
 }
 
 /// Instruction budget of a fuzzed render: [`crate::chat::RENDER_FUEL`]
-/// takes about 25 s under ASan and coverage instrumentation; this ends a
+/// takes over 10 s under ASan and coverage instrumentation; this ends a
 /// runaway template within a quarter of a second there, exercising the same
 /// limit. A 4-message render of Qwen2.5's template needs under 250.
 pub const FUZZ_FUEL: u64 = 200_000;

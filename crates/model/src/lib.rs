@@ -2,6 +2,8 @@
 //! template, and the CPU reference forward pass (the oracle for every GPU
 //! test and the no-GPU backend).
 
+#![deny(missing_docs)]
+
 pub mod chat;
 pub mod checkpoint;
 pub mod config;

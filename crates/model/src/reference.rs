@@ -65,10 +65,12 @@ impl ReferenceOptions {
             sequences: 1,
         }
     }
+    /// Rounds K/V to bf16 when stored, as the megakernel's cache does.
     pub fn kv_bf16(mut self, yes: bool) -> Self {
         self.kv_bf16 = yes;
         self
     }
+    /// `n` independent sequences, each with its own KV cache.
     pub fn sequences(mut self, n: usize) -> Self {
         self.sequences = n;
         self
@@ -78,8 +80,11 @@ impl ReferenceOptions {
 /// One token of a forward pass: which sequence's cache, which token, where.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Row {
+    /// Index of the sequence (KV cache).
     pub seq: usize,
+    /// Token id.
     pub token: u32,
+    /// Position in the sequence.
     pub pos: usize,
 }
 
@@ -87,34 +92,52 @@ pub struct Row {
 /// matmul; a prefill only needs the last row's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
+    /// No logits (a prefill chunk before the last).
     None,
+    /// The last row's only.
     Last,
+    /// Every row's.
     All,
 }
 
 /// Every op's output for the `T` rows of one forward pass.
 #[derive(Debug, Clone, Default)]
 pub struct StepTrace {
-    pub embed: Vec<f32>,         // [T, H]
+    /// Embedded tokens `[T, H]`.
+    pub embed: Vec<f32>, // [T, H]
+    /// Each layer's outputs `[L]`.
     pub layers: Vec<LayerTrace>, // [L]
-    pub final_norm: Vec<f32>,    // [T, H]
-    pub logits: Vec<f32>,        // [R, V], the rows asked for
+    /// Final RMSNorm output `[T, H]`.
+    pub final_norm: Vec<f32>, // [T, H]
+    /// Logits `[R, V]` of the rows asked for.
+    pub logits: Vec<f32>, // [R, V], the rows asked for
 }
 
 /// One layer's op outputs, `T` rows each.
 #[derive(Debug, Clone, Default)]
 pub struct LayerTrace {
+    /// `rms_norm(x, input_layernorm)` `[T, H]`.
     pub attn_norm: Vec<f32>, // [T, H]   rms_norm(x, input_layernorm)
-    pub q: Vec<f32>,         // [T, Q]   q_proj + bias, before rotary
-    pub k: Vec<f32>,         // [T, KV]  k_proj + bias, before rotary
-    pub v: Vec<f32>,         // [T, KV]  v_proj + bias
-    pub q_rot: Vec<f32>,     // [T, Q]   after rotary
-    pub k_rot: Vec<f32>,     // [T, KV]  after rotary (before any bf16 rounding in the cache)
-    pub attn: Vec<f32>,      // [T, Q]   attention output, before o_proj
-    pub h_attn: Vec<f32>,    // [T, H]   x + o_proj(attn)
-    pub mlp_norm: Vec<f32>,  // [T, H]   rms_norm(h_attn, post_attention_layernorm)
-    pub act: Vec<f32>,       // [T, I]   silu(gate) * up
-    pub h_out: Vec<f32>,     // [T, H]   layer output, h_attn + down(act)
+    /// `q_proj` + bias, before rotary `[T, Q]`.
+    pub q: Vec<f32>, // [T, Q]   q_proj + bias, before rotary
+    /// `k_proj` + bias, before rotary `[T, KV]`.
+    pub k: Vec<f32>, // [T, KV]  k_proj + bias, before rotary
+    /// `v_proj` + bias `[T, KV]`.
+    pub v: Vec<f32>, // [T, KV]  v_proj + bias
+    /// Queries after rotary `[T, Q]`.
+    pub q_rot: Vec<f32>, // [T, Q]   after rotary
+    /// Keys after rotary, before any bf16 rounding in the cache `[T, KV]`.
+    pub k_rot: Vec<f32>, // [T, KV]  after rotary (before any bf16 rounding in the cache)
+    /// Attention output, before `o_proj` `[T, Q]`.
+    pub attn: Vec<f32>, // [T, Q]   attention output, before o_proj
+    /// `x + o_proj(attn)` `[T, H]`.
+    pub h_attn: Vec<f32>, // [T, H]   x + o_proj(attn)
+    /// `rms_norm(h_attn, post_attention_layernorm)` `[T, H]`.
+    pub mlp_norm: Vec<f32>, // [T, H]   rms_norm(h_attn, post_attention_layernorm)
+    /// `silu(gate) * up` `[T, I]`.
+    pub act: Vec<f32>, // [T, I]   silu(gate) * up
+    /// Layer output, `h_attn + down(act)` `[T, H]`.
+    pub h_out: Vec<f32>, // [T, H]   layer output, h_attn + down(act)
 }
 
 /// The CPU reference model: shared weights, rotary tables and one KV cache
@@ -150,12 +173,15 @@ impl Reference {
         })
     }
 
+    /// The model's sizes.
     pub fn dims(&self) -> &Dims {
         &self.dims
     }
+    /// The weights it computes with.
     pub fn weights(&self) -> &Arc<Weights> {
         &self.weights
     }
+    /// The rotary tables, one row per cache position.
     pub fn rope(&self) -> &Rope {
         &self.rope
     }
@@ -163,6 +189,7 @@ impl Reference {
     pub fn capacity(&self) -> usize {
         self.caches[0].capacity
     }
+    /// Number of sequences (KV caches).
     pub fn sequences(&self) -> usize {
         self.caches.len()
     }

@@ -134,6 +134,7 @@ pub struct StreamDecoder {
 }
 
 impl StreamDecoder {
+    /// A decoder with nothing pushed yet.
     pub fn new(tok: Tokenizer, skip_special_tokens: bool) -> Self {
         Self {
             tok,

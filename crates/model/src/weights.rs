@@ -1,9 +1,8 @@
 //! All weights of a model, staged to bf16 and stacked along the layer axis
 //! (the form the megakernel reads and the CPU reference computes on).
 //!
-//! OWNER: model-io helper (loading, stacking, synthetic generation). The field
-//! names mirror the checkpoint names; shapes are row-major, `[out, in]` for
-//! projections as in PyTorch's `nn.Linear`.
+//! The field names mirror the checkpoint names; shapes are row-major,
+//! `[out, in]` for projections as in PyTorch's `nn.Linear`.
 
 use half::bf16;
 
@@ -17,22 +16,38 @@ use crate::Config;
 /// I = intermediate, V = vocab.
 #[derive(Debug, Clone)]
 pub struct Weights {
+    /// The model these weights belong to.
     pub config: Config,
-    pub embed_tokens: Vec<bf16>,             // [V, H]
-    pub lm_head: Option<Vec<bf16>>,          // [V, H]; None when tied to embed_tokens
-    pub input_layernorm: Vec<bf16>,          // [L, H]
-    pub q_proj: Vec<bf16>,                   // [L, Q, H]
-    pub q_bias: Vec<bf16>,                   // [L, Q]
-    pub k_proj: Vec<bf16>,                   // [L, KV, H]
-    pub k_bias: Vec<bf16>,                   // [L, KV]
-    pub v_proj: Vec<bf16>,                   // [L, KV, H]
-    pub v_bias: Vec<bf16>,                   // [L, KV]
-    pub o_proj: Vec<bf16>,                   // [L, H, Q]
+    /// Token embeddings `[V, H]`.
+    pub embed_tokens: Vec<bf16>, // [V, H]
+    /// Output projection `[V, H]`; `None` when tied to `embed_tokens`.
+    pub lm_head: Option<Vec<bf16>>, // [V, H]; None when tied to embed_tokens
+    /// RMSNorm scale before attention `[L, H]`.
+    pub input_layernorm: Vec<bf16>, // [L, H]
+    /// Query projection `[L, Q, H]`.
+    pub q_proj: Vec<bf16>, // [L, Q, H]
+    /// Query bias `[L, Q]`.
+    pub q_bias: Vec<bf16>, // [L, Q]
+    /// Key projection `[L, KV, H]`.
+    pub k_proj: Vec<bf16>, // [L, KV, H]
+    /// Key bias `[L, KV]`.
+    pub k_bias: Vec<bf16>, // [L, KV]
+    /// Value projection `[L, KV, H]`.
+    pub v_proj: Vec<bf16>, // [L, KV, H]
+    /// Value bias `[L, KV]`.
+    pub v_bias: Vec<bf16>, // [L, KV]
+    /// Attention output projection `[L, H, Q]`.
+    pub o_proj: Vec<bf16>, // [L, H, Q]
+    /// RMSNorm scale before the MLP `[L, H]`.
     pub post_attention_layernorm: Vec<bf16>, // [L, H]
-    pub gate_proj: Vec<bf16>,                // [L, I, H]
-    pub up_proj: Vec<bf16>,                  // [L, I, H]
-    pub down_proj: Vec<bf16>,                // [L, H, I]
-    pub norm: Vec<bf16>,                     // [H]
+    /// MLP gate projection `[L, I, H]`.
+    pub gate_proj: Vec<bf16>, // [L, I, H]
+    /// MLP up projection `[L, I, H]`.
+    pub up_proj: Vec<bf16>, // [L, I, H]
+    /// MLP down projection `[L, H, I]`.
+    pub down_proj: Vec<bf16>, // [L, H, I]
+    /// Final RMSNorm scale `[H]`.
+    pub norm: Vec<bf16>, // [H]
 }
 
 impl Weights {

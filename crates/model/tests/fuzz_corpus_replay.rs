@@ -1,13 +1,16 @@
 //! Replays every file of `fuzz/corpus/<target>/` through the function of
 //! `qmk_model::fuzzing` that the cargo-fuzz target of the same name calls,
 //! so an input the fuzzer once found (kept in the corpus) fails CI if it
-//! regresses, without nightly or cargo-fuzz. Bounded in time: each input
-//! must finish within `PER_INPUT`, each corpus within `PER_CORPUS`.
+//! regresses, without nightly or cargo-fuzz. What bounds each input's work
+//! is counted inside the target (the chat template's fuel, byte budgets and
+//! item caps); the clock here only calls an input that has not finished
+//! within [`HANG_GUARD`] a hang.
 //!
 //! `cargo test -p qmk-model --test fuzz_corpus_replay -- --ignored` rewrites
 //! the hand-made seeds (`seed-*`) the fuzz runs started from.
 
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use qmk_layout::DType;
@@ -15,8 +18,9 @@ use qmk_model::checkpoint::{safetensors_from_parts, save_checkpoint, INDEX_FILE,
 use qmk_model::fuzzing::{tiny_config, TARGETS};
 use qmk_model::{synthetic_weights, Config};
 
-const PER_INPUT: Duration = Duration::from_secs(10);
-const PER_CORPUS: Duration = Duration::from_secs(240);
+/// How long one input may run before the replay calls it a hang; bounded
+/// inputs end in well under a second, so this is no performance check.
+const HANG_GUARD: Duration = Duration::from_secs(120);
 
 fn corpus_dir(target: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -25,7 +29,7 @@ fn corpus_dir(target: &str) -> PathBuf {
 }
 
 fn replay(target: &str) {
-    let (_, run) = TARGETS
+    let (_, run) = *TARGETS
         .iter()
         .find(|(name, _)| *name == target)
         .expect("a known target");
@@ -37,42 +41,69 @@ fn replay(target: &str) {
         .collect();
     files.sort();
     assert!(!files.is_empty(), "{}: empty corpus", dir.display());
+    let count = files.len();
+    // The inputs run on a worker thread that reports each one it starts
+    // and each result; the test thread waits at most HANG_GUARD for the
+    // next report.
+    let (tx, rx) = mpsc::channel::<Result<(PathBuf, Duration), String>>();
+    let target_name = target.to_string();
+    std::thread::spawn(move || {
+        for file in files {
+            let data = match std::fs::read(&file) {
+                Ok(d) => d,
+                // A fuzzer running alongside replaces reduced inputs.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => {
+                    let _ = tx.send(Err(format!("{}: {e}", file.display())));
+                    return;
+                }
+            };
+            let t = Instant::now();
+            if let Err(panic) = std::panic::catch_unwind(|| run(&data)) {
+                let msg = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                let _ = tx.send(Err(format!(
+                    "{target_name}: {} panicked: {msg}",
+                    file.display()
+                )));
+                return;
+            }
+            if tx.send(Ok((file, t.elapsed()))).is_err() {
+                return;
+            }
+        }
+    });
     let start = Instant::now();
     let mut slowest = (Duration::ZERO, PathBuf::new());
-    for file in &files {
-        let data = match std::fs::read(file) {
-            Ok(d) => d,
-            // A fuzzer running alongside replaces reduced inputs.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => panic!("{}: {e}", file.display()),
-        };
-        let t = Instant::now();
-        if let Err(panic) = std::panic::catch_unwind(|| run(&data)) {
-            let msg = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default();
-            panic!("{target}: {} panicked: {msg}", file.display());
-        }
-        let took = t.elapsed();
-        assert!(
-            took < PER_INPUT,
-            "{target}: {} took {took:?} (limit {PER_INPUT:?})",
-            file.display()
-        );
-        if took > slowest.0 {
-            slowest = (took, file.clone());
+    let mut done = 0;
+    let mut last = PathBuf::from("(none)");
+    loop {
+        match rx.recv_timeout(HANG_GUARD) {
+            Ok(Ok((file, took))) => {
+                done += 1;
+                if took > slowest.0 {
+                    slowest = (took, file.clone());
+                }
+                last = file;
+            }
+            Ok(Err(failure)) => panic!("{failure}"),
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(mpsc::RecvTimeoutError::Timeout) => panic!(
+                "{target}: the input after {} ({done} of {count} done) has not finished \
+                 after {HANG_GUARD:?}, taken for a hang",
+                last.display()
+            ),
         }
     }
-    let total = start.elapsed();
     println!(
-        "{target}: {} inputs in {total:?}, slowest {:?} ({})",
-        files.len(),
+        "{target}: {done} inputs in {:?}, slowest {:?} ({})",
+        start.elapsed(),
         slowest.0,
         slowest.1.display()
     );
-    assert!(total < PER_CORPUS, "{target}: corpus took {total:?}");
 }
 
 #[test]
@@ -212,8 +243,8 @@ fn write_seed_corpora() {
 
     // Chat templates: Qwen2.5's (with a NUL-separated user message) and
     // hostile ones.
-    let qwen = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/fixtures/qwen-tokenizer/chat_template.jinja");
+    let qwen =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/qwen-tokenizer/chat_template.jinja");
     if let Ok(t) = std::fs::read(&qwen) {
         put("chat_template", "qwen2.5", &t);
         put(

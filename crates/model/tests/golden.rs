@@ -1,17 +1,18 @@
 //! Against Hugging Face transformers' goldens
-//! (`shared/fixtures/golden/qwen2.5-coder-0.5b-instruct.jsonl`):
+//! (`tests/data/golden/qwen2.5-coder-0.5b-instruct.jsonl`):
 //!
 //! * the tokenizer and chat template reproduce every prompt's `input_ids`
 //!   (always runs; the tokenizer fixtures are small);
 //! * the CPU reference on the real Qwen2.5-Coder-0.5B-Instruct weights
-//!   (directory in `QMK_REAL_QWEN`, built by `shared/tools/fetch-real-qwen`;
-//!   skipped with a message when unset) follows DESIGN.md 3.1: greedy ids
+//!   (directory in `QMK_REAL_QWEN`, built by `scripts/fetch-real-qwen.sh`;
+//!   skipped with a message when unset) follows the comparison rule of
+//!   vLLM's `check_logprobs_close`: greedy ids
 //!   equal up to the first divergence, and there each side's token is in the
 //!   other's top 5. It prints how many of the 8 prompts match all 48 ids and
 //!   the largest difference of the golden top-1 token's logprob.
 //!
-//! The shared folder is `../shared` beside the repository root, or
-//! `QMK_SHARED`.
+//! The golden files and the tokenizer files they were made with live in
+//! `tests/data/` (its README says how they were made).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -21,15 +22,12 @@ use qmk_model::reference::{argmax, log_softmax, top_k, Reference, ReferenceOptio
 use qmk_model::tokenizer::Tokenizer;
 use serde::Deserialize;
 
-fn shared() -> PathBuf {
-    match std::env::var_os("QMK_SHARED") {
-        Some(p) => PathBuf::from(p),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared"),
-    }
+fn data() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data")
 }
 
 fn tokenizer_dir() -> PathBuf {
-    shared().join("fixtures/qwen-tokenizer")
+    data().join("qwen-tokenizer")
 }
 
 #[derive(Debug, Deserialize)]
@@ -44,9 +42,8 @@ struct Golden {
 }
 
 fn goldens() -> Vec<Golden> {
-    let path = shared().join("fixtures/golden/qwen2.5-coder-0.5b-instruct.jsonl");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (set QMK_SHARED?)", path.display()));
+    let path = data().join("golden/qwen2.5-coder-0.5b-instruct.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     text.lines()
         .filter(|l| !l.trim().is_empty())
         .map(|l| serde_json::from_str(l).expect("golden line"))
@@ -239,7 +236,8 @@ struct Outcome {
     id: String,
     /// First step where our id differs from the golden id.
     divergence: Option<usize>,
-    /// Passes DESIGN.md 3.1 at the divergence (true when there is none).
+    /// At the divergence each side's token is in the other's top 5 (true
+    /// when there is none).
     rule_ok: bool,
     /// Largest |our logprob - golden logprob| of the golden top-1 token, over
     /// the steps whose context is identical (up to the divergence).
@@ -251,7 +249,7 @@ struct Outcome {
 fn cpu_reference_matches_hf_goldens_on_real_weights() {
     let Some(dir) = std::env::var_os("QMK_REAL_QWEN").map(PathBuf::from) else {
         eprintln!(
-            "SKIPPED: QMK_REAL_QWEN is not set (run shared/tools/fetch-real-qwen and point \
+            "SKIPPED: QMK_REAL_QWEN is not set (run scripts/fetch-real-qwen.sh and point \
              QMK_REAL_QWEN at the directory it prints)"
         );
         return;

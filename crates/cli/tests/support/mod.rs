@@ -13,27 +13,17 @@ use std::time::{Duration, Instant};
 use qmk_layout::DType;
 use qmk_model::Config;
 
-/// `../shared` of the repository, or `$QMK_SHARED`.
-pub fn shared_dir() -> PathBuf {
-    match std::env::var_os("QMK_SHARED") {
-        Some(p) => PathBuf::from(p),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared"),
-    }
-}
-
 /// The real Qwen tokenizer files (tokenizer.json, tokenizer_config.json,
-/// chat_template.jinja), or `None` with the reason printed.
+/// chat_template.jinja), kept in the model crate's test data. An `Option`
+/// for the callers' sake: it is always there.
 pub fn tokenizer_fixture() -> Option<PathBuf> {
-    let dir = shared_dir().join("fixtures/qwen-tokenizer");
-    if dir.join("tokenizer.json").is_file() {
-        Some(dir)
-    } else {
-        eprintln!(
-            "SKIP: tokenizer fixture not found at {} (set QMK_SHARED)",
-            dir.display()
-        );
-        None
-    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/data/qwen-tokenizer");
+    assert!(
+        dir.join("tokenizer.json").is_file(),
+        "tokenizer fixture missing at {}",
+        dir.display()
+    );
+    Some(dir)
 }
 
 /// A tiny Qwen2 config (2 layers, hidden 32) with the real vocabulary size,

@@ -18,14 +18,23 @@ use crate::{Config, Weights};
 /// The sizes the forward pass needs, from a validated `Config`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Dims {
+    /// Hidden size H.
     pub hidden: usize,
+    /// MLP width I.
     pub intermediate: usize,
+    /// Decoder layers L.
     pub layers: usize,
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads.
     pub kv_heads: usize,
+    /// Head dimension hd.
     pub head_dim: usize,
+    /// Vocabulary size V.
     pub vocab: usize,
+    /// RMSNorm epsilon.
     pub rms_norm_eps: f32,
+    /// Rotary base.
     pub rope_theta: f64,
 }
 
@@ -62,18 +71,30 @@ impl Dims {
 /// One layer's slices of the stacked weights.
 #[derive(Debug, Clone, Copy)]
 pub struct LayerWeights<'a> {
-    pub input_layernorm: &'a [bf16],          // [H]
-    pub q_proj: &'a [bf16],                   // [Q, H]
-    pub q_bias: &'a [bf16],                   // [Q]
-    pub k_proj: &'a [bf16],                   // [KV, H]
-    pub k_bias: &'a [bf16],                   // [KV]
-    pub v_proj: &'a [bf16],                   // [KV, H]
-    pub v_bias: &'a [bf16],                   // [KV]
-    pub o_proj: &'a [bf16],                   // [H, Q]
+    /// RMSNorm scale before attention `[H]`.
+    pub input_layernorm: &'a [bf16], // [H]
+    /// Query projection `[Q, H]`.
+    pub q_proj: &'a [bf16], // [Q, H]
+    /// Query bias `[Q]`.
+    pub q_bias: &'a [bf16], // [Q]
+    /// Key projection `[KV, H]`.
+    pub k_proj: &'a [bf16], // [KV, H]
+    /// Key bias `[KV]`.
+    pub k_bias: &'a [bf16], // [KV]
+    /// Value projection `[KV, H]`.
+    pub v_proj: &'a [bf16], // [KV, H]
+    /// Value bias `[KV]`.
+    pub v_bias: &'a [bf16], // [KV]
+    /// Attention output projection `[H, Q]`.
+    pub o_proj: &'a [bf16], // [H, Q]
+    /// RMSNorm scale before the MLP `[H]`.
     pub post_attention_layernorm: &'a [bf16], // [H]
-    pub gate_proj: &'a [bf16],                // [I, H]
-    pub up_proj: &'a [bf16],                  // [I, H]
-    pub down_proj: &'a [bf16],                // [H, I]
+    /// MLP gate projection `[I, H]`.
+    pub gate_proj: &'a [bf16], // [I, H]
+    /// MLP up projection `[I, H]`.
+    pub up_proj: &'a [bf16], // [I, H]
+    /// MLP down projection `[H, I]`.
+    pub down_proj: &'a [bf16], // [H, I]
 }
 
 /// Layer `l`'s slices. The lengths must already match `d` (see
@@ -147,12 +168,17 @@ pub fn check_weights(w: &Weights, d: &Dims) -> Result<(), ModelError> {
 /// `inv_freq[i] = 1 / theta^(2i / hd)`, angle = `pos · inv_freq[i]`.
 #[derive(Debug, Clone)]
 pub struct Rope {
+    /// Head dimension hd the tables are for.
     pub head_dim: usize,
+    /// Cosines `[S, hd/2]`, by position then frequency.
     pub cos: Vec<f32>, // [S, hd/2]
+    /// Sines `[S, hd/2]`, by position then frequency.
     pub sin: Vec<f32>, // [S, hd/2]
 }
 
 impl Rope {
+    /// Tables for `positions` positions of a `head_dim`-wide head, rotary
+    /// base `theta`.
     pub fn new(head_dim: usize, theta: f64, positions: usize) -> Self {
         let half = head_dim / 2;
         // Same f32 steps as transformers' default rope init (matching its
@@ -182,15 +208,21 @@ impl Rope {
 /// layer and position: `[L, S, KV]`.
 #[derive(Debug, Clone)]
 pub struct KvCache {
+    /// Keys after rotary `[L, S, KV]`.
     pub k: Vec<f32>, // [L, S, KV]
+    /// Values `[L, S, KV]`.
     pub v: Vec<f32>, // [L, S, KV]
+    /// Positions per layer (S).
     pub capacity: usize,
+    /// Width of one position's K or V (KV).
     pub kv_dim: usize,
     /// Round K/V to bf16 when stored, as the megakernel's bf16 cache does.
     pub round_to_bf16: bool,
 }
 
 impl KvCache {
+    /// A zeroed cache of `layers` x `capacity` positions of `kv_dim` values
+    /// for K and for V.
     pub fn new(layers: usize, capacity: usize, kv_dim: usize, round_to_bf16: bool) -> Self {
         Self {
             k: vec![0f32; layers * capacity * kv_dim],

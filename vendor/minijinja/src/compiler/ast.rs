@@ -4,7 +4,7 @@ use std::ops::Deref;
 use std::fmt;
 
 use crate::compiler::tokens::Span;
-use crate::value::{ops, value_map_with_capacity, Value};
+use crate::value::{ops, value_map_with_capacity, Value, ValueKind};
 
 /// Container for nodes with location info.
 ///
@@ -220,13 +220,13 @@ impl Expr<'_> {
                 let (Some(left), Some(right)) = (c.left.as_const(), c.right.as_const()) else {
                     return None;
                 };
-                eval_binop(c.op, &left, &right)
+                fold(&left, &right, || eval_binop(c.op, &left, &right))
             }
             Expr::Compare(c) => {
                 let mut left = c.expr.as_const()?;
                 for op in &c.ops {
                     let right = op.expr.as_const()?;
-                    if !eval_compare(op.op, &left, &right)?.is_true() {
+                    if !fold(&left, &right, || eval_compare(op.op, &left, &right))?.is_true() {
                         return Some(Value::from(false));
                     }
                     left = right;
@@ -237,6 +237,50 @@ impl Expr<'_> {
         }
     }
 }
+
+// --- qwen-mk patch (see vendor/README.md): bounded constant folding ------
+// A folded value is built once, at compile time, outside any render's
+// operator budget, and every evaluation then shares it: a loop appending
+// `['x' * 10**7]` to a list would keep 10 MB per iteration without charging
+// the budget, and a chain of `~` over large literals would allocate without
+// bound while the template compiles. Folding is therefore limited to small
+// results and small operands; anything larger is computed, and charged, at
+// render time.
+
+/// Bytes the value-building operators may allocate to fold one operation.
+const MAX_FOLDED_BYTES: usize = 4096;
+/// Most items of a sequence or map operand that `in` or `==` may walk
+/// while folding (the walk runs at compile time, where no fuel counts).
+const MAX_FOLDED_ITEMS: usize = 1024;
+
+/// Restores the thread's operator budget on drop, also when folding panics.
+struct FoldBudget(Option<usize>);
+
+impl Drop for FoldBudget {
+    fn drop(&mut self) {
+        ops::set_operator_budget(self.0);
+    }
+}
+
+fn small_operand(v: &Value) -> bool {
+    match v.kind() {
+        ValueKind::Seq | ValueKind::Map | ValueKind::Iterable => {
+            v.len().is_some_and(|n| n <= MAX_FOLDED_ITEMS)
+        }
+        _ => true,
+    }
+}
+
+/// Folds one operation under a budget of [`MAX_FOLDED_BYTES`], or gives
+/// `None` (no folding) when an operand is large or the result would be.
+fn fold(left: &Value, right: &Value, op: impl FnOnce() -> Option<Value>) -> Option<Value> {
+    if !small_operand(left) || !small_operand(right) {
+        return None;
+    }
+    let _restore = FoldBudget(ops::set_operator_budget(Some(MAX_FOLDED_BYTES)));
+    op()
+}
+// --- end of the qwen-mk patch's folding bounds ------------------------------
 
 fn eval_binop(op: BinOpKind, left: &Value, right: &Value) -> Option<Value> {
     match op {
