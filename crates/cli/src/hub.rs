@@ -258,7 +258,7 @@ fn shard_names(index: &Path) -> Result<Vec<String>> {
     struct Index {
         weight_map: BTreeMap<String, String>,
     }
-    let text = std::fs::read_to_string(index).with_context(|| format!("{}", index.display()))?;
+    let text = qmk_model::read_small_file(index, qmk_model::SMALL_FILE_CAP)?;
     let idx: Index = serde_json::from_str(&text)
         .with_context(|| format!("{}: invalid sharded-checkpoint index", index.display()))?;
     let mut names: Vec<String> = idx.weight_map.into_values().collect();

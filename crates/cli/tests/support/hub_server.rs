@@ -56,7 +56,7 @@ pub enum Fault {
 /// The key of faults that apply to the model info, not to a file.
 pub const INFO: &str = "@info";
 /// Longest stall of [`Fault::StallOnce`].
-pub const STALL: Duration = Duration::from_secs(60);
+pub const STALL: Duration = LIFETIME;
 /// Most bytes a [`Fault::Overlong`] body sends.
 pub const OVERLONG_CAP: usize = 64 << 20;
 
