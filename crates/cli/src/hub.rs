@@ -92,12 +92,7 @@ impl HubConfig {
         };
         let token = var("HF_TOKEN").or_else(|| {
             let path = hf_home?.join("token");
-            let mut t = String::new();
-            std::fs::File::open(path)
-                .ok()?
-                .take(64 << 10)
-                .read_to_string(&mut t)
-                .ok()?;
+            let t = qmk_model::read_small_file(&path, 64 << 10).ok()?;
             Some(t.trim().to_string()).filter(|t| !t.is_empty())
         });
         let offline = var("HF_HUB_OFFLINE").is_some_and(|v| {
