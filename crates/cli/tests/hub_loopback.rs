@@ -619,22 +619,37 @@ fn redirect_loop_is_followed_a_bounded_number_of_times() {
 #[test]
 fn concurrent_downloads_of_one_model_share_one_transfer() {
     let Some(m) = tiny_model() else { return };
+    let repo = HubRepo::from_dir(ID, m);
     // Slow enough that the two runs overlap.
-    let server = HubServer::start(
-        vec![HubRepo::from_dir(ID, m)],
-        &[("model.safetensors", Fault::Slow)],
-    );
+    let server = HubServer::start(vec![repo.clone()], &[("model.safetensors", Fault::Slow)]);
     let home = tempfile::tempdir().unwrap();
+    let env = [
+        ("HF_ENDPOINT", server.url.as_str()),
+        ("HF_HOME", home.path().to_str().unwrap()),
+    ];
     let runs: Vec<Run> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
-            .map(|_| s.spawn(|| generate(ID, &server.url, home.path(), false)))
+            .map(|_| {
+                s.spawn(|| {
+                    qwen_mk(
+                        &["download", "--model", ID],
+                        &env,
+                        "",
+                        Duration::from_secs(120),
+                    )
+                })
+            })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     for r in &runs {
         r.assert_ok();
-        assert_eq!(ids(r), local_output());
+        assert_eq!(PathBuf::from(r.stdout.trim()), snapshot(home.path(), &repo));
         eprintln!("{}", r.stderr);
+    }
+    for (name, bytes) in &repo.files {
+        let got = std::fs::read(snapshot(home.path(), &repo).join(name)).unwrap();
+        assert_eq!(&got, bytes, "{name}");
     }
     assert_eq!(
         body_requests(&server, "model.safetensors"),
@@ -642,6 +657,24 @@ fn concurrent_downloads_of_one_model_share_one_transfer() {
         "{:#?}",
         server.log()
     );
+}
+
+#[test]
+fn timeout_settings_that_are_not_numbers_are_errors_naming_them() {
+    let Some(m) = tiny_model() else { return };
+    let server = HubServer::start(vec![HubRepo::from_dir(ID, m)], &[]);
+    let home = tempfile::tempdir().unwrap();
+    for var in [
+        "QMK_HUB_CONNECT_TIMEOUT_MS",
+        "QMK_HUB_READ_TIMEOUT_MS",
+        "QMK_HUB_RETRIES",
+        "QMK_HUB_RETRY_DELAY_MS",
+        "QMK_HUB_LOCK_WAIT_MS",
+    ] {
+        let r = generate_env(ID, &server.url, home.path(), false, &[(var, "3s")]);
+        r.assert_error(&[var, "\"3s\"", "not a whole number"]);
+    }
+    assert!(server.log().is_empty(), "{:#?}", server.log());
 }
 
 /// Takes the lock `qwen-mk` takes for `file`'s blob, as another downloader
