@@ -125,7 +125,8 @@ pub struct Meta {
     pub commit: Option<String>,
     /// `X-Linked-Etag`, else `ETag`, as sent.
     pub etag: Option<String>,
-    /// `X-Linked-Size`, else the total of `Content-Range`.
+    /// `X-Linked-Size`, else the total of `Content-Range`, else (a whole
+    /// file answered) `Content-Length`.
     pub size: Option<u64>,
     /// Where the bytes are fetched from.
     pub url: String,
@@ -239,6 +240,12 @@ impl Net {
             .or_else(|| {
                 h("content-range")
                     .and_then(|r| r.rsplit_once('/').and_then(|(_, t)| t.trim().parse().ok()))
+            })
+            .or_else(|| {
+                // A server that ignores the range sends the whole file.
+                (a.resp.status() == 200)
+                    .then(|| h("content-length").and_then(|l| l.trim().parse().ok()))
+                    .flatten()
             });
         Ok(Meta {
             commit: h("x-repo-commit"),
