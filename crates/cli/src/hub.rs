@@ -498,6 +498,15 @@ impl Fetcher<'_> {
     /// (resumed, or fetched again when it fails its check).
     fn file(&self, name: &str, exp: &Expected) -> Result<PathBuf> {
         paths::check_file_name(name)?;
+        // A bad sha256 in the model info must not make a good cached file
+        // look damaged (and deleted).
+        if let Some(sha) = exp.sha256.as_deref().filter(|s| !paths::is_sha256(s)) {
+            bail!(
+                "the Hub at {} gives {name} of `{}` the sha256 {sha:?}, which is not 64 hex digits",
+                self.endpoint,
+                self.model
+            );
+        }
         let pointer = self.snapshot.join(name);
         if pointer.is_file() {
             match self.cache.check(&pointer, name, exp, self.ui) {
