@@ -68,14 +68,20 @@ const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 /// Where and how to reach the Hub; from the environment by default.
 #[derive(Debug, Clone)]
 pub struct HubConfig {
+    /// `HF_ENDPOINT` without a trailing `/`.
     pub endpoint: String,
+    /// The Hub cache (`HF_HUB_CACHE`, else `HF_HOME/hub`).
     pub cache_dir: PathBuf,
+    /// `HF_TOKEN`, else the token file.
     pub token: Option<String>,
+    /// `HF_HUB_OFFLINE`: the cache only.
     pub offline: bool,
+    /// Timeouts, retries and the lock wait (`QMK_HUB_*`).
     pub net: NetConfig,
 }
 
 impl HubConfig {
+    /// From `HF_*` and `QMK_HUB_*`; a malformed `QMK_HUB_*` value is an error.
     pub fn from_env() -> Result<Self> {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
         let endpoint = var("HF_ENDPOINT")
@@ -164,6 +170,7 @@ pub fn fetch_model(model: &str, revision: &str, ui: &Ui) -> Result<PathBuf> {
     fetch_model_with(&hub, model, revision, ui)
 }
 
+/// [`fetch_model`] with an explicit configuration.
 pub fn fetch_model_with(hub: &HubConfig, model: &str, revision: &str, ui: &Ui) -> Result<PathBuf> {
     // The revision names a file under `refs/`: checked before any use.
     paths::check_revision(revision)?;

@@ -21,6 +21,7 @@ pub const MAX_REDIRECTS: usize = 10;
 /// environment variables, with defaults for real networks.
 #[derive(Debug, Clone)]
 pub struct NetConfig {
+    /// Longest wait for a connection.
     pub connect_timeout: Duration,
     /// Longest wait for the next bytes of a response.
     pub read_timeout: Duration,
@@ -81,14 +82,18 @@ impl std::fmt::Display for GetError {
 /// body), or not (the server says no, or sent something hostile).
 #[derive(Debug)]
 pub struct Failure {
+    /// Whether another try may succeed.
     pub retry: bool,
+    /// What went wrong.
     pub error: anyhow::Error,
 }
 
 impl Failure {
+    /// A failure worth another try.
     pub fn retry(error: anyhow::Error) -> Self {
         Failure { retry: true, error }
     }
+    /// A failure another try would repeat.
     pub fn fatal(error: anyhow::Error) -> Self {
         Failure {
             retry: false,
@@ -114,14 +119,18 @@ impl From<GetError> for Failure {
 /// A response and the URL that gave it; `next` is the other-origin place a
 /// probe was sent to (the CDN holding the bytes).
 pub struct Answer {
+    /// The response, body unread.
     pub resp: ureq::Response,
+    /// The URL that answered.
     pub url: String,
+    /// Where a probe's redirect to another origin points.
     pub next: Option<String>,
 }
 
 /// What the resolve probe learned about a file.
 #[derive(Debug)]
 pub struct Meta {
+    /// `X-Repo-Commit`, as sent.
     pub commit: Option<String>,
     /// `X-Linked-Etag`, else `ETag`, as sent.
     pub etag: Option<String>,
@@ -132,14 +141,18 @@ pub struct Meta {
     pub url: String,
 }
 
+/// The Hub client: one agent, the endpoint the token belongs to, and the
+/// timeouts and retries.
 pub struct Net {
     agent: ureq::Agent,
     endpoint_origin: String,
     token: Option<String>,
+    /// Timeouts, retries and the lock wait.
     pub config: NetConfig,
 }
 
 impl Net {
+    /// A client for `endpoint`; `token` is sent to its origin only.
     pub fn new(endpoint: &str, token: Option<String>, config: NetConfig) -> Self {
         let agent = ureq::AgentBuilder::new()
             .timeout_connect(config.connect_timeout)
