@@ -1,26 +1,41 @@
 //! Model files from the Hugging Face Hub, checked before use.
 //!
-//! Downloads go through `hf-hub`'s sync client into the standard Hub cache
-//! (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`), so
-//! Python tools share it. What this module adds on top:
+//! Files go into the standard Hub cache (`$HF_HUB_CACHE`, else
+//! `$HF_HOME/hub`, else `~/.cache/huggingface/hub`) in its usual layout
+//! (`models--org--name/{blobs,snapshots/<commit>,refs}`, snapshot entries
+//! linking to `../../blobs/<etag>`), so Python tools share it. The transfer
+//! is this crate's own (`transfer`): hf-hub 0.4.3 writes the server's `ETag`
+//! and `X-Repo-Commit` into paths unchecked, has no read timeout, no cap on
+//! a body and no redirect limit. hf-hub still names the repository
+//! (`Repo`: cache folder and API path). What this module does:
 //!
 //! 1. The file list comes from the model-info API (`/api/models/{id}/revision/
 //!    {rev}?blobs=true`): the commit, and every file's size and, for LFS
 //!    files, sha256.
-//! 2. Every file is checked (size, then sha256 where the Hub gives one) before
+//! 2. Every server or user value that becomes a path is checked first
+//!    (`paths`): commit 40 hex, ETag a hash form, revision and file names
+//!    plain relative paths. Writes never follow a link; deletes remove the
+//!    cache's own entries, never a link's target.
+//! 3. Every file is checked (size, then sha256 where the Hub gives one) before
 //!    the directory is handed to the loader, whether it was just downloaded
 //!    or found in the cache. A verified blob is remembered (size + mtime) in
 //!    `.qwen-mk-verified/` beside the repo's `blobs/`, so a multi-GB
 //!    checkpoint is hashed once, not on every run.
-//! 3. An interrupted download is resumed (hf-hub keeps a `.part` file); a file
-//!    whose size or hash is wrong is deleted and fetched again once; if it is
-//!    still wrong the command fails naming the file. A bad file is never
-//!    returned.
-//! 4. `HF_HUB_OFFLINE=1` uses the cache only, and an unreachable endpoint
+//! 4. A blob is fetched under a lock (`.locks/<repo>/<blob>.lock`, the one
+//!    huggingface_hub takes): a second process waits (bounded) and then
+//!    uses the first one's file. An interrupted transfer is resumed from its
+//!    `.incomplete` file; one longer than announced is cut off and deleted;
+//!    a file whose size or hash is wrong is deleted and fetched again. A bad
+//!    file is never returned.
+//! 5. `HF_HUB_OFFLINE=1` uses the cache only, and an unreachable endpoint
 //!    falls back to a complete cached snapshot (saying so).
 //!
 //! Environment: `HF_ENDPOINT`, `HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE`,
-//! `HF_TOKEN` (else the token file `$HF_HOME/token`).
+//! `HF_TOKEN` (else the token file `$HF_HOME/token`), and the `QMK_HUB_*`
+//! timeouts and retries of [`NetConfig`].
+
+mod paths;
+mod transfer;
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -28,10 +43,12 @@ use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 
 use anyhow::{anyhow, bail, Context, Result};
-use hf_hub::api::sync::{ApiBuilder, ApiError, ApiRepo};
 use hf_hub::{Repo, RepoType};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
+
+pub use transfer::NetConfig;
+use transfer::{Failure, GetError, Net};
 
 use crate::ui::Ui;
 
@@ -47,23 +64,24 @@ const OPTIONAL: [&str; 4] = [
 const SINGLE: &str = "model.safetensors";
 const INDEX: &str = "model.safetensors.index.json";
 const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
-/// Attempts per file: the first, a resume after an interrupted transfer, and
-/// a fresh fetch after a file failed its check.
-const ATTEMPTS: usize = 3;
-/// The model-info request answers in well under a second; a stalled server
-/// is reported as unreachable after this long.
-const INFO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Where and how to reach the Hub; from the environment by default.
 #[derive(Debug, Clone)]
 pub struct HubConfig {
+    /// `HF_ENDPOINT` without a trailing `/`.
     pub endpoint: String,
+    /// The Hub cache (`HF_HUB_CACHE`, else `HF_HOME/hub`).
     pub cache_dir: PathBuf,
+    /// `HF_TOKEN`, else the token file.
     pub token: Option<String>,
+    /// `HF_HUB_OFFLINE`: the cache only.
     pub offline: bool,
+    /// Timeouts, retries and the lock wait (`QMK_HUB_*`).
+    pub net: NetConfig,
 }
 
 impl HubConfig {
+    /// From `HF_*` and `QMK_HUB_*`; a malformed `QMK_HUB_*` value is an error.
     pub fn from_env() -> Result<Self> {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
         let endpoint = var("HF_ENDPOINT")
@@ -80,7 +98,7 @@ impl HubConfig {
         };
         let token = var("HF_TOKEN").or_else(|| {
             let path = hf_home?.join("token");
-            let t = std::fs::read_to_string(path).ok()?;
+            let t = qmk_model::read_small_file(&path, 64 << 10).ok()?;
             Some(t.trim().to_string()).filter(|t| !t.is_empty())
         });
         let offline = var("HF_HUB_OFFLINE").is_some_and(|v| {
@@ -94,6 +112,7 @@ impl HubConfig {
             cache_dir,
             token,
             offline,
+            net: NetConfig::from_env()?,
         })
     }
 }
@@ -151,26 +170,19 @@ pub fn fetch_model(model: &str, revision: &str, ui: &Ui) -> Result<PathBuf> {
     fetch_model_with(&hub, model, revision, ui)
 }
 
+/// [`fetch_model`] with an explicit configuration.
 pub fn fetch_model_with(hub: &HubConfig, model: &str, revision: &str, ui: &Ui) -> Result<PathBuf> {
+    // The revision names a file under `refs/`: checked before any use.
+    paths::check_revision(revision)?;
     let cache = RepoCache::new(hub, model, revision);
     if hub.offline {
         return cache.offline_snapshot(ui).with_context(|| {
             format!("HF_HUB_OFFLINE is set: model `{model}` (revision `{revision}`) must come from the cache")
         });
     }
-    let api = ApiBuilder::from_cache(hf_hub::Cache::new(hub.cache_dir.clone()))
-        .with_endpoint(hub.endpoint.clone())
-        .with_token(hub.token.clone())
-        .with_progress(false)
-        .build()
-        .context("cannot start the Hub client")?;
-    let repo = api.repo(Repo::with_revision(
-        model.to_string(),
-        RepoType::Model,
-        revision.to_string(),
-    ));
+    let net = Net::new(&hub.endpoint, hub.token.clone(), hub.net.clone());
 
-    let (commit, files) = match model_info(&repo, hub, model, revision) {
+    let (commit, files) = match model_info(&net, hub, model, revision) {
         Ok(info) => info,
         Err(InfoError::Unreachable(reason)) => {
             // No network: a complete cached snapshot is as good (Python's
@@ -195,13 +207,10 @@ pub fn fetch_model_with(hub: &HubConfig, model: &str, revision: &str, ui: &Ui) -
     let snapshot = cache.repo_dir.join("snapshots").join(&commit);
     // Download by commit, not branch: every file then comes from the commit
     // the file list describes, even if the branch moves meanwhile.
-    let at_commit = api.repo(Repo::with_revision(
-        model.to_string(),
-        RepoType::Model,
-        commit.clone(),
-    ));
     let fetcher = Fetcher {
-        repo: &at_commit,
+        net: &net,
+        endpoint: &hub.endpoint,
+        commit: &commit,
         cache: &cache,
         snapshot: &snapshot,
         model,
@@ -233,20 +242,15 @@ pub fn fetch_model_with(hub: &HubConfig, model: &str, revision: &str, ui: &Ui) -
             "`{model}` (revision `{revision}`) has no {SINGLE} or {INDEX}: only safetensors checkpoints are supported"
         );
     }
-    // Record the revision -> commit mapping for later offline runs (hf-hub
-    // does this too, but not when every file was already cached).
-    if !looks_like_commit(revision) {
+    // Record the revision -> commit mapping for later offline runs.
+    if !paths::is_commit(revision) {
         let ref_path = cache.repo_dir.join("refs").join(revision);
         if let Some(parent) = ref_path.parent() {
             let _ = std::fs::create_dir_all(parent);
         }
-        let _ = std::fs::write(&ref_path, &commit);
+        let _ = paths::write_nofollow(&ref_path, commit.as_bytes());
     }
     Ok(snapshot)
-}
-
-fn looks_like_commit(rev: &str) -> bool {
-    rev.len() == 40 && rev.chars().all(|c| c.is_ascii_hexdigit())
 }
 
 /// Shard file names from a `model.safetensors.index.json`, each checked to be
@@ -256,16 +260,16 @@ fn shard_names(index: &Path) -> Result<Vec<String>> {
     struct Index {
         weight_map: BTreeMap<String, String>,
     }
-    let text = std::fs::read_to_string(index).with_context(|| format!("{}", index.display()))?;
+    let text = qmk_model::read_small_file(index, qmk_model::SMALL_FILE_CAP)?;
     let idx: Index = serde_json::from_str(&text)
         .with_context(|| format!("{}: invalid sharded-checkpoint index", index.display()))?;
     let mut names: Vec<String> = idx.weight_map.into_values().collect();
     names.sort();
     names.dedup();
     for n in &names {
-        if n.is_empty() || n.starts_with('/') || n.split('/').any(|p| p == ".." || p.is_empty()) {
+        if paths::check_file_name(n).is_err() {
             bail!(
-                "{}: shard name `{n}` is not a plain file name",
+                "{}: shard name {n:?} is not a plain file name",
                 index.display()
             );
         }
@@ -281,21 +285,18 @@ enum InfoError {
 
 /// The commit and file list of `model` at `revision`.
 fn model_info(
-    repo: &ApiRepo,
+    net: &Net,
     hub: &HubConfig,
     model: &str,
     revision: &str,
 ) -> std::result::Result<(String, BTreeMap<String, Expected>), InfoError> {
-    let request = repo
-        .info_request()
-        .query("blobs", "true")
-        .timeout(INFO_TIMEOUT);
-    let resp = match request.call() {
-        Ok(r) => r,
-        Err(ureq::Error::Status(code, resp)) => {
-            let kind = resp.header("x-error-code").unwrap_or("").to_string();
-            let endpoint = &hub.endpoint;
-            let msg = match (code, kind.as_str()) {
+    let repo = Repo::with_revision(model.to_string(), RepoType::Model, revision.to_string());
+    let url = format!("{}/api/{}?blobs=true", hub.endpoint, repo.api_url());
+    let endpoint = &hub.endpoint;
+    let resp = match net.get(&url, None, false) {
+        Ok(a) => a.resp,
+        Err(GetError::Status(code, kind)) => {
+            let msg = match (code, kind.as_deref().unwrap_or("")) {
                 (_, "RevisionNotFound") => {
                     format!("model `{model}` has no revision `{revision}` at {endpoint}")
                 }
@@ -313,36 +314,34 @@ fn model_info(
             };
             return Err(InfoError::Other(anyhow!(msg)));
         }
-        Err(ureq::Error::Transport(t)) => {
-            let reason = match t.message() {
-                Some(m) => format!("{}: {m}", t.kind()),
-                None => t.kind().to_string(),
-            };
-            let reason = match std::error::Error::source(&t) {
-                Some(src) => format!("{reason}: {src}"),
-                None => reason,
-            };
-            return Err(InfoError::Unreachable(reason));
+        Err(GetError::Transport(reason)) => return Err(InfoError::Unreachable(reason)),
+        Err(e @ GetError::Redirect(_)) => {
+            return Err(InfoError::Other(anyhow!(
+                "the Hub at {endpoint} sent no model info for `{model}`: {e}"
+            )))
         }
     };
+    // ureq caps this read at 10 MB.
     let text = resp
         .into_string()
         .map_err(|e| InfoError::Unreachable(format!("reading the model info failed: {e}")))?;
     let info: InfoJson = serde_json::from_str(&text).map_err(|e| {
         InfoError::Other(anyhow!(
-            "the Hub at {} sent model info for `{model}` that does not parse: {e}",
-            hub.endpoint
+            "the Hub at {endpoint} sent model info for `{model}` that does not parse: {e}"
         ))
     })?;
-    let commit = info
-        .sha
-        .filter(|s| !s.is_empty() && !s.contains(['/', '\\']) && s != "." && s != "..")
-        .ok_or_else(|| {
+    let commit = match info.sha {
+        Some(sha) => paths::commit(&sha).ok_or_else(|| {
             InfoError::Other(anyhow!(
-                "the Hub at {} sent no commit for `{model}`",
-                hub.endpoint
+                "the Hub at {endpoint} sent the commit {sha:?} for `{model}`, which is not a commit id (40 hex digits)"
             ))
-        })?;
+        })?,
+        None => {
+            return Err(InfoError::Other(anyhow!(
+                "the Hub at {endpoint} sent no commit for `{model}`"
+            )))
+        }
+    };
     let files = info
         .siblings
         .into_iter()
@@ -360,6 +359,7 @@ fn model_info(
 /// Paths of one repository inside the Hub cache.
 struct RepoCache {
     repo_dir: PathBuf,
+    locks_dir: PathBuf,
     revision: String,
     model: String,
 }
@@ -369,7 +369,8 @@ impl RepoCache {
         let folder = Repo::with_revision(model.to_string(), RepoType::Model, revision.to_string())
             .folder_name();
         RepoCache {
-            repo_dir: hub.cache_dir.join(folder),
+            repo_dir: hub.cache_dir.join(&folder),
+            locks_dir: hub.cache_dir.join(".locks").join(&folder),
             revision: revision.to_string(),
             model: model.to_string(),
         }
@@ -382,20 +383,24 @@ impl RepoCache {
     /// The cached snapshot of the revision, every needed file present and
     /// checked; errors say what is missing.
     fn offline_snapshot(&self, ui: &Ui) -> Result<PathBuf> {
-        let commit = if looks_like_commit(&self.revision) {
-            self.revision.clone()
+        let commit = if paths::is_commit(&self.revision) {
+            self.revision.to_ascii_lowercase()
         } else {
             let ref_path = self.repo_dir.join("refs").join(&self.revision);
-            std::fs::read_to_string(&ref_path)
-                .map(|s| s.trim().to_string())
-                .map_err(|_| {
-                    anyhow!(
-                        "`{}` (revision `{}`) is not in the Hub cache at {}",
-                        self.model,
-                        self.revision,
-                        self.repo_dir.display()
-                    )
-                })?
+            let text = std::fs::read_to_string(&ref_path).map_err(|_| {
+                anyhow!(
+                    "`{}` (revision `{}`) is not in the Hub cache at {}",
+                    self.model,
+                    self.revision,
+                    self.repo_dir.display()
+                )
+            })?;
+            paths::commit(&text).ok_or_else(|| {
+                anyhow!(
+                    "{} does not hold a commit id (40 hex digits)",
+                    ref_path.display()
+                )
+            })?
         };
         let snap = self.repo_dir.join("snapshots").join(&commit);
         let mut needed: Vec<String> = REQUIRED.iter().map(|s| s.to_string()).collect();
@@ -417,7 +422,7 @@ impl RepoCache {
             // Blobs named by a sha256 (LFS files) can be checked offline.
             let exp = Expected {
                 size: None,
-                sha256: blob_sha_name(&path),
+                sha256: paths::linked_blob(&path).filter(|b| paths::is_sha256(b)),
             };
             self.check(&path, name, &exp, ui)
                 .with_context(|| format!("cached {name} of `{}` is damaged", self.model))?;
@@ -437,6 +442,9 @@ impl RepoCache {
         let Some(sha) = &exp.sha256 else {
             return Ok(());
         };
+        if !paths::is_sha256(sha) {
+            bail!("the sha256 {sha:?} given for {name} is not 64 hex digits");
+        }
         let stamp = format!(
             "{} {}",
             meta.len(),
@@ -454,17 +462,9 @@ impl RepoCache {
             bail!("{name} has sha256 {got}, expected {sha}");
         }
         let _ = std::fs::create_dir_all(self.marker_dir());
-        let _ = std::fs::write(&marker, stamp);
+        let _ = paths::write_nofollow(&marker, stamp.as_bytes());
         Ok(())
     }
-}
-
-/// The blob name behind a snapshot symlink when it is a sha256 (LFS file).
-fn blob_sha_name(pointer: &Path) -> Option<String> {
-    let target = std::fs::read_link(pointer).ok()?;
-    let name = target.file_name()?.to_str()?;
-    (name.len() == 64 && name.chars().all(|c| c.is_ascii_hexdigit()))
-        .then(|| name.to_ascii_lowercase())
 }
 
 fn sha256_file(path: &Path, name: &str, len: u64, ui: &Ui) -> Result<String> {
@@ -491,7 +491,9 @@ fn sha256_file(path: &Path, name: &str, len: u64, ui: &Ui) -> Result<String> {
 }
 
 struct Fetcher<'a> {
-    repo: &'a ApiRepo,
+    net: &'a Net,
+    endpoint: &'a str,
+    commit: &'a str,
     cache: &'a RepoCache,
     snapshot: &'a Path,
     model: &'a str,
@@ -502,6 +504,16 @@ impl Fetcher<'_> {
     /// One file: from the snapshot when present and good, else downloaded
     /// (resumed, or fetched again when it fails its check).
     fn file(&self, name: &str, exp: &Expected) -> Result<PathBuf> {
+        paths::check_file_name(name)?;
+        // A bad sha256 in the model info must not make a good cached file
+        // look damaged (and deleted).
+        if let Some(sha) = exp.sha256.as_deref().filter(|s| !paths::is_sha256(s)) {
+            bail!(
+                "the Hub at {} gives {name} of `{}` the sha256 {sha:?}, which is not 64 hex digits",
+                self.endpoint,
+                self.model
+            );
+        }
         let pointer = self.snapshot.join(name);
         if pointer.is_file() {
             match self.cache.check(&pointer, name, exp, self.ui) {
@@ -510,116 +522,153 @@ impl Fetcher<'_> {
                     self.ui.note(format!(
                         "cached {name} is damaged ({e:#}); fetching it again"
                     ));
-                    remove_cached(&pointer);
+                    paths::remove_snapshot_entry(&self.cache.repo_dir, &pointer);
                 }
             }
         } else if pointer.symlink_metadata().is_ok() {
-            // A dangling link (its blob was deleted): hf-hub would refuse to
-            // replace it.
-            let _ = std::fs::remove_file(&pointer);
+            // A dangling link (its blob was deleted).
+            paths::remove_snapshot_entry(&self.cache.repo_dir, &pointer);
         }
+        let cfg = &self.net.config;
+        let attempts = cfg.retries + 1;
         let mut last: Option<anyhow::Error> = None;
-        for attempt in 1..=ATTEMPTS {
-            let bar = self.ui.bytes_bar(exp.size.unwrap_or(0), name.to_string());
-            let got = self
-                .repo
-                .download_with_progress(name, BarProgress(bar.clone()));
-            bar.finish_and_clear();
-            match got {
-                Ok(path) => match self.cache.check(&path, name, exp, self.ui) {
-                    Ok(()) => {
-                        if !pointer.is_file() {
-                            bail!(
-                                "the Hub at its resolve URL answered with another commit than its model info \
-                                 for {name} of `{}` ({} instead of {})",
-                                self.model,
-                                path.display(),
-                                pointer.display()
-                            );
-                        }
-                        return Ok(pointer);
+        for attempt in 1..=attempts {
+            if attempt > 1 {
+                std::thread::sleep(cfg.retry_delay * (attempt as u32 - 1));
+            }
+            match self.fetch_once(name, exp, &pointer) {
+                Ok(()) => return Ok(pointer),
+                Err(Failure { retry: true, error }) => {
+                    if attempt < attempts {
+                        self.ui
+                            .note(format!("download of {name}: {error:#}; retrying"));
                     }
-                    Err(e) => {
-                        // Wrong bytes: never keep them, start over.
-                        remove_cached(&path);
-                        if attempt < ATTEMPTS {
-                            self.ui.note(format!(
-                                "downloaded {name} failed its check ({e:#}); fetching it again"
-                            ));
-                        }
-                        last = Some(anyhow!("{e:#} (the bad copy was deleted)"));
-                    }
-                },
-                Err(e) => {
-                    // hf-hub leaves a `.part` file behind; the next attempt
-                    // resumes it. A part that cannot be resumed is dropped.
-                    if matches!(e, ApiError::InvalidResume) {
-                        self.remove_parts(exp);
-                    }
-                    if attempt < ATTEMPTS {
-                        self.ui.note(format!(
-                            "download of {name} was interrupted ({}); retrying",
-                            describe_api_error(&e)
-                        ));
-                    }
-                    last = Some(anyhow!(describe_api_error(&e)));
+                    last = Some(error);
+                }
+                Err(Failure {
+                    retry: false,
+                    error,
+                }) => {
+                    return Err(error.context(format!(
+                        "cannot download {name} of `{}` from {}",
+                        self.model, self.endpoint
+                    )))
                 }
             }
         }
-        self.remove_parts(exp);
         let err = last.unwrap_or_else(|| anyhow!("no attempt was made"));
         Err(err.context(format!(
-            "cannot download {name} of `{}` intact after {ATTEMPTS} attempts",
+            "cannot download {name} of `{}` intact after {attempts} attempts",
             self.model
         )))
     }
 
-    /// Deletes leftover `.part` files of this file's blob.
-    fn remove_parts(&self, exp: &Expected) {
-        if let Some(sha) = &exp.sha256 {
-            let _ = std::fs::remove_file(
-                self.cache
-                    .repo_dir
-                    .join("blobs")
-                    .join(format!("{sha}.part")),
-            );
+    /// One try: probe, check what the server says, lock the blob, fetch it
+    /// (unless another process just did), check it, link it.
+    fn fetch_once(
+        &self,
+        name: &str,
+        exp: &Expected,
+        pointer: &Path,
+    ) -> std::result::Result<(), Failure> {
+        let fatal = |m: String| Failure::fatal(anyhow!(m));
+        let url = format!(
+            "{}/{}/resolve/{}/{name}",
+            self.endpoint, self.model, self.commit
+        );
+        let meta = self.net.probe(&url)?;
+        if let Some(raw) = &meta.commit {
+            match paths::commit(raw) {
+                Some(c) if c == self.commit => {}
+                Some(c) => {
+                    return Err(fatal(format!(
+                        "the server answered for commit {c} instead of {}",
+                        self.commit
+                    )))
+                }
+                None => {
+                    return Err(fatal(format!(
+                        "the server sent X-Repo-Commit {raw:?}, which is not a commit id (40 hex digits)"
+                    )))
+                }
+            }
         }
-    }
-}
-
-/// Deletes a cached snapshot entry and the blob it points to.
-fn remove_cached(pointer: &Path) {
-    if let Ok(blob) = std::fs::canonicalize(pointer) {
-        let _ = std::fs::remove_file(blob);
-    }
-    let _ = std::fs::remove_file(pointer);
-}
-
-fn describe_api_error(e: &ApiError) -> String {
-    match e {
-        ApiError::RequestError(inner) => match inner.as_ref() {
-            ureq::Error::Status(code, _) => format!("HTTP {code}"),
-            ureq::Error::Transport(t) => t.to_string(),
-        },
-        ApiError::IoError(io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
-            "the connection closed before the whole file arrived".to_string()
+        let blob = match (&meta.etag, &exp.sha256) {
+            (Some(raw), sha) => {
+                let tag = paths::etag(raw).ok_or_else(|| {
+                    fatal(format!(
+                        "the server sent ETag {raw:?}, which is not a file hash (sha256 or git blob id)"
+                    ))
+                })?;
+                match sha {
+                    Some(sha) if paths::is_sha256(&tag) && &tag != sha => {
+                        return Err(fatal(format!(
+                            "the server names the file {tag}, but the model info gives sha256 {sha}"
+                        )))
+                    }
+                    Some(sha) => sha.clone(),
+                    None => tag,
+                }
+            }
+            (None, Some(sha)) => sha.clone(),
+            (None, None) => return Err(fatal("the server sent no ETag".to_string())),
+        };
+        if !(paths::is_sha256(&blob) || paths::is_commit(&blob)) {
+            return Err(fatal(format!(
+                "the model info gives sha256 {blob:?}, which is not 64 hex digits"
+            )));
         }
-        other => other.to_string(),
+        let size = match (exp.size, meta.size) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(fatal(format!(
+                    "the server announced {b} bytes, the model info {a}"
+                )))
+            }
+            (Some(a), _) | (None, Some(a)) => a,
+            (None, None) => return Err(fatal("the server announced no size".to_string())),
+        };
+        let want = Expected {
+            size: Some(size),
+            sha256: exp.sha256.clone(),
+        };
+        let blobs = self.cache.repo_dir.join("blobs");
+        std::fs::create_dir_all(&blobs)
+            .with_context(|| format!("cannot create {}", blobs.display()))
+            .map_err(Failure::fatal)?;
+        let blob_path = blobs.join(&blob);
+        let lock_path = self.cache.locks_dir.join(format!("{blob}.lock"));
+        let _lock = transfer::lock_blob(&lock_path, self.net.config.lock_wait, |holder| {
+            self.ui.note(format!(
+                "another process ({holder}) is downloading {name}; waiting for it"
+            ))
+        })
+        .map_err(Failure::fatal)?;
+        let link = || {
+            paths::link_snapshot(pointer, name, &blob).map_err(Failure::fatal)?;
+            Ok(())
+        };
+        // Another process may have fetched it while this one waited.
+        if blob_path.symlink_metadata().is_ok_and(|m| m.is_file()) {
+            if self.cache.check(&blob_path, name, &want, self.ui).is_ok() {
+                return link();
+            }
+            let _ = std::fs::remove_file(&blob_path);
+        }
+        let part = blobs.join(format!("{blob}.incomplete"));
+        let bar = self.ui.bytes_bar(size, name.to_string());
+        let got = self.net.fetch_into(&meta.url, &part, size, &bar);
+        bar.finish_and_clear();
+        got?;
+        if let Err(e) = self.cache.check(&part, name, &want, self.ui) {
+            // Wrong bytes: never keep them, start over.
+            let _ = std::fs::remove_file(&part);
+            return Err(Failure::retry(anyhow!("{e:#} (the bad copy was deleted)")));
+        }
+        std::fs::rename(&part, &blob_path)
+            .with_context(|| format!("cannot move {} into place", part.display()))
+            .map_err(Failure::fatal)?;
+        link()
     }
-}
-
-/// hf-hub's progress hook drawing one of our bars.
-struct BarProgress(indicatif::ProgressBar);
-
-impl hf_hub::api::Progress for BarProgress {
-    fn init(&mut self, size: usize, _filename: &str) {
-        self.0.set_length(size as u64);
-        self.0.set_position(0);
-    }
-    fn update(&mut self, size: usize) {
-        self.0.inc(size as u64);
-    }
-    fn finish(&mut self) {}
 }
 
 #[cfg(test)]

@@ -597,7 +597,9 @@ fn indent(
 }
 
 fn read(path: &Path) -> Result<String, ModelError> {
-    std::fs::read_to_string(path).map_err(|e| template_err(path, format!("cannot read: {e}")))
+    let bytes = crate::small_file::read_small_bytes(path, crate::SMALL_FILE_CAP)
+        .map_err(|e| template_err(path, format!("cannot read: {e}")))?;
+    String::from_utf8(bytes).map_err(|_| template_err(path, "cannot read: not UTF-8 text".into()))
 }
 
 fn template_err(path: &Path, message: String) -> ModelError {

@@ -449,8 +449,7 @@ impl Checkpoint {
                 path: dir.to_path_buf(),
             });
         }
-        let text =
-            std::fs::read_to_string(&index_path).map_err(|e| ModelError::io(&index_path, e))?;
+        let text = crate::read_small_file(&index_path, crate::SMALL_FILE_CAP)?;
         let index = parse_index(&index_path, &text)?;
         let mut shard_ids: BTreeMap<&str, usize> = BTreeMap::new();
         let mut files = Vec::new();

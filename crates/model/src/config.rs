@@ -132,7 +132,7 @@ impl Config {
     /// Reads and validates `config.json`. Errors name the file and, for
     /// validation failures, the field.
     pub fn from_file(path: &Path) -> Result<Config, ModelError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        let text = crate::read_small_file(path, crate::SMALL_FILE_CAP)?;
         Config::from_json_str(&text, path)
     }
 
@@ -370,7 +370,7 @@ impl Default for GenerationConfig {
 impl GenerationConfig {
     /// Reads `generation_config.json`; errors name the file.
     pub fn from_file(path: &Path) -> Result<GenerationConfig, ModelError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
+        let text = crate::read_small_file(path, crate::SMALL_FILE_CAP)?;
         serde_json::from_str(&text).map_err(|source| ModelError::Json {
             path: PathBuf::from(path),
             source,

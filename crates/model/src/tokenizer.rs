@@ -38,10 +38,13 @@ impl Tokenizer {
     /// Loads a `tokenizer.json` file.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ModelError> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| ModelError::Tokenizer {
-            path: path.to_path_buf(),
-            message: format!("cannot read: {e}"),
-        })?;
+        let bytes =
+            crate::small_file::read_small_bytes(path, crate::SMALL_FILE_CAP).map_err(|e| {
+                ModelError::Tokenizer {
+                    path: path.to_path_buf(),
+                    message: format!("cannot read: {e}"),
+                }
+            })?;
         Self::from_bytes_named(&bytes, path)
     }
 

@@ -1,7 +1,7 @@
-//! A Hugging Face Hub look-alike on 127.0.0.1 for the real `hf-hub` client:
+//! A Hugging Face Hub look-alike on 127.0.0.1 for the CLI's Hub client:
 //! the model-info API (`/api/models/{id}/revision/{rev}`, with sizes and LFS
 //! sha256 as `?blobs=true` gives them) and `/{id}/resolve/{rev}/{file}` with
-//! the headers hf-hub reads (`x-repo-commit`, `etag` / `x-linked-etag`,
+//! the headers Hub clients read (`x-repo-commit`, `etag` / `x-linked-etag`,
 //! `x-linked-size`, `content-range`) and byte ranges. Faults can be injected
 //! per file. Every request is logged. The server stops when dropped, or by
 //! itself after a deadline.
@@ -32,7 +32,33 @@ pub enum Fault {
     TruncateAlways,
     /// The bytes are served whole but one is flipped (size right, sha wrong).
     Corrupt,
+    /// `ETag` (and `X-Linked-Etag`) `"../../../../x"`.
+    HostileEtag,
+    /// `X-Repo-Commit: ../../../../evil`; under [`INFO`], the model info's
+    /// `sha` is that value.
+    HostileCommit,
+    /// The first body response sends half the bytes, then nothing more
+    /// while keeping the connection open (up to [`STALL`]); later ones
+    /// are fine.
+    StallOnce,
+    /// Body responses carry no length and go on past the file's end, up to
+    /// [`OVERLONG_CAP`] bytes, until the client hangs up.
+    Overlong,
+    /// The resolve URL redirects to itself, forever.
+    RedirectLoop,
+    /// Body responses are sent in 64 KiB pieces 20 ms apart.
+    Slow,
+    /// Under [`INFO`]: every revision name is taken to mean the repository's
+    /// one commit (a permissive mirror).
+    AnyRevision,
 }
+
+/// The key of faults that apply to the model info, not to a file.
+pub const INFO: &str = "@info";
+/// Longest stall of [`Fault::StallOnce`].
+pub const STALL: Duration = LIFETIME;
+/// Most bytes a [`Fault::Overlong`] body sends.
+pub const OVERLONG_CAP: usize = 64 << 20;
 
 /// One repository: id, commit and files.
 #[derive(Debug, Clone)]
@@ -82,6 +108,7 @@ struct State {
     /// Files already truncated once.
     truncated: Mutex<Vec<String>>,
     log: Mutex<Vec<String>>,
+    stop: Arc<AtomicBool>,
 }
 
 pub struct HubServer {
@@ -102,6 +129,7 @@ impl HubServer {
             faults: faults.iter().map(|(f, k)| (f.to_string(), *k)).collect(),
             truncated: Mutex::new(Vec::new()),
             log: Mutex::new(Vec::new()),
+            stop: stop.clone(),
         });
         let (stop2, state2) = (stop.clone(), state.clone());
         let thread = std::thread::spawn(move || {
@@ -267,9 +295,15 @@ fn respond(
         let Some(repo) = st.repos.iter().find(|r| r.id == id) else {
             return not_found(w, "RepoNotFound", "Repository not found");
         };
-        if rev != "main" && rev != repo.commit {
+        let info_fault = st.faults.get(INFO).copied();
+        if rev != "main" && rev != repo.commit && info_fault != Some(Fault::AnyRevision) {
             return not_found(w, "RevisionNotFound", "Invalid rev id");
         }
+        let sha = if info_fault == Some(Fault::HostileCommit) {
+            "../../../../evil".to_string()
+        } else {
+            repo.commit.clone()
+        };
         let siblings: Vec<serde_json::Value> = repo
             .files
             .iter()
@@ -284,7 +318,7 @@ fn respond(
             })
             .collect();
         let body = serde_json::json!({
-            "id": repo.id, "modelId": repo.id, "sha": repo.commit, "siblings": siblings
+            "id": repo.id, "modelId": repo.id, "sha": sha, "siblings": siblings
         })
         .to_string();
         send(
@@ -306,13 +340,23 @@ fn respond(
     let Some((rev, file)) = rest.split_once('/') else {
         return not_found(w, "EntryNotFound", "no file");
     };
-    if rev != "main" && rev != repo.commit {
+    if rev != "main" && rev != repo.commit && st.faults.get(INFO) != Some(&Fault::AnyRevision) {
         return not_found(w, "RevisionNotFound", "Invalid rev id");
     }
     let Some(bytes) = repo.files.get(file) else {
         return not_found(w, "EntryNotFound", "Entry not found");
     };
     let fault = st.faults.get(file).copied();
+    if fault == Some(Fault::RedirectLoop) {
+        send(
+            w,
+            "302 Found",
+            &[("Location", req.path.clone())],
+            b"",
+            head_only,
+        )?;
+        return Ok(true);
+    }
     let mut data = bytes.clone();
     if fault == Some(Fault::Corrupt) {
         let mid = data.len() / 2;
@@ -320,12 +364,23 @@ fn respond(
     }
     let total = data.len();
     let sha = sha256_hex(bytes);
+    let commit = if fault == Some(Fault::HostileCommit) {
+        "../../../../evil".to_string()
+    } else {
+        repo.commit.clone()
+    };
     let mut headers = vec![
-        ("x-repo-commit", repo.commit.clone()),
+        ("x-repo-commit", commit),
         ("Accept-Ranges", "bytes".to_string()),
         ("Content-Type", "application/octet-stream".to_string()),
     ];
-    if bytes.len() >= LFS_MIN {
+    if fault == Some(Fault::HostileEtag) {
+        if bytes.len() >= LFS_MIN {
+            headers.push(("x-linked-etag", "\"../../../../x\"".to_string()));
+            headers.push(("x-linked-size", total.to_string()));
+        }
+        headers.push(("ETag", "\"../../../../x\"".to_string()));
+    } else if bytes.len() >= LFS_MIN {
         headers.push(("x-linked-etag", format!("\"{sha}\"")));
         headers.push(("x-linked-size", total.to_string()));
         headers.push(("ETag", format!("\"{}\"", &sha[..40])));
@@ -381,6 +436,61 @@ fn respond(
             }
             _ => false,
         };
+    let probe = body.len() <= 1 || head_only;
+    if !probe && fault == Some(Fault::Overlong) {
+        let mut s = format!("HTTP/1.1 {status}\r\n");
+        for (k, v) in &headers {
+            s.push_str(&format!("{k}: {v}\r\n"));
+        }
+        s.push_str("Connection: close\r\n\r\n");
+        w.write_all(s.as_bytes())?;
+        w.write_all(body)?;
+        let junk = vec![0x42u8; 1 << 20];
+        let mut sent = body.len();
+        while sent < OVERLONG_CAP {
+            w.write_all(&junk)?;
+            sent += junk.len();
+        }
+        return Ok(false);
+    }
+    let stall = !probe && fault == Some(Fault::StallOnce) && {
+        let mut done = st.truncated.lock().unwrap();
+        if done.iter().any(|f| f == file) {
+            false
+        } else {
+            done.push(file.to_string());
+            true
+        }
+    };
+    if stall {
+        let mut s = format!("HTTP/1.1 {status}\r\n");
+        for (k, v) in &headers {
+            s.push_str(&format!("{k}: {v}\r\n"));
+        }
+        s.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
+        w.write_all(s.as_bytes())?;
+        w.write_all(&body[..body.len() / 2])?;
+        w.flush()?;
+        let since = Instant::now();
+        while since.elapsed() < STALL && !st.stop.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        return Ok(false);
+    }
+    if !probe && fault == Some(Fault::Slow) {
+        let mut s = format!("HTTP/1.1 {status}\r\n");
+        for (k, v) in &headers {
+            s.push_str(&format!("{k}: {v}\r\n"));
+        }
+        s.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
+        w.write_all(s.as_bytes())?;
+        for piece in body.chunks(64 << 10) {
+            w.write_all(piece)?;
+            w.flush()?;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        return Ok(true);
+    }
     if cut {
         let mut s = format!("HTTP/1.1 {status}\r\n");
         for (k, v) in &headers {

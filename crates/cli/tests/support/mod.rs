@@ -133,6 +133,11 @@ pub fn qwen_mk(args: &[&str], env: &[(&str, &str)], stdin: &str, timeout: Durati
         "HF_HUB_CACHE",
         "HF_HUB_OFFLINE",
         "HF_TOKEN",
+        "QMK_HUB_CONNECT_TIMEOUT_MS",
+        "QMK_HUB_READ_TIMEOUT_MS",
+        "QMK_HUB_RETRIES",
+        "QMK_HUB_RETRY_DELAY_MS",
+        "QMK_HUB_LOCK_WAIT_MS",
         "RUST_BACKTRACE",
         "RUST_LIB_BACKTRACE",
     ] {
