@@ -9,6 +9,10 @@
 #
 # Steps (default: tests checksums bench prefill; `all` adds hf):
 #   tests       every GPU test program, both drivers, one test at a time
+#               (without the 7B 3,000-token prefill case, whose CPU reference
+#               takes minutes; FULL=1 runs it)
+#   test-NAME   one GPU test program (gpu, long_context, prefill, faults,
+#               endurance, scale), e.g. `test-faults`
 #   checksums   per-step logit checksums at 0.5B and 7B, both drivers; written
 #               to $OUT/checksums.txt and compared against the recorded file
 #   bench       qwen-mk bench: decode 0.5B / 7B / 14B (short context), 7B at
@@ -27,7 +31,8 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 CARRY=${CARRY:-$ROOT/.carry/gpu}
 # GPU test programs: package:test-target.
-TEST_PROGRAMS=${TEST_PROGRAMS:-"qmk-backend-cust:checksums"}
+TEST_PROGRAMS=${TEST_PROGRAMS:-"qmk-gpu-tests:gpu qmk-gpu-tests:long_context qmk-gpu-tests:prefill
+  qmk-gpu-tests:faults qmk-gpu-tests:endurance qmk-gpu-tests:scale qmk-gpu-tests:checksums"}
 
 if [[ ${1:-} == build ]]; then
   set -e
@@ -122,6 +127,12 @@ EOF
   [[ $rc == 0 ]] || tail -3 "$LOG/bench-$name.err" | while read -r x; do note "    ${x:0:200}"; done
 }
 
+# Arguments of one test program: the 7B 3,000-token prefill case needs a CPU
+# reference of ~40 TFLOP, skipped unless FULL=1.
+test_args() {
+  [[ $1 == test-prefill && -z ${FULL:-} ]] && echo "--skip c_7b_prompt_3000"
+}
+
 for step in $STEPS; do
   echo "== step $step ($(date -u +%T))"
   case $step in
@@ -129,8 +140,10 @@ for step in $STEPS; do
       for p in "$BIN"/test-*; do
         n=$(basename "$p")
         [[ $n == test-checksums ]] && continue
-        run_tests "$n" 500
+        run_tests "$n" 500 $(test_args "$n")
       done ;;
+    test-*)
+      run_tests "$step" 550 $(test_args "$step") ;;
     checksums)
       rm -f "$OUT/checksums.txt"
       QMK_CHECKSUMS_OUT="$OUT/checksums.txt" run_tests test-checksums 300
@@ -147,7 +160,7 @@ for step in $STEPS; do
       done ;;
     ab)
       [[ -x $BIN/base-qwen-mk ]] || { note "FAIL ab: no baseline binary (BASE at build time)"; continue; }
-      for r in 1 2 3; do
+      for r in 1 2; do
         for v in base-qwen-mk qwen-mk; do
           bench "ab$r-$v-0.5b" $v --preset 0.5b
           bench "ab$r-$v-7b" $v --preset 7b
