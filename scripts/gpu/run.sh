@@ -22,7 +22,9 @@
 #               prefill (needs BASE at build time)
 #   hf          Hugging Face transformers eager on the same shapes
 #               (scripts/gpu/hf_side_by_side.py)
-#   sanitizer   compute-sanitizer memcheck on one short decode
+#   sanitizer   compute-sanitizer memcheck, racecheck, synccheck, initcheck on
+#               a short prefill + decode, both drivers; the OOB hook must be
+#               caught
 #
 # Every step runs under `timeout`; a failure never stops the script; logs go
 # to $OUT/logs.tgz and a summary (PASS / FAIL per step, key numbers) is
@@ -173,10 +175,44 @@ for step in $STEPS; do
         --json-out "$OUT/hf.json" "$LOG/bench.jsonl" > "$LOG/hf.log" 2>&1
       note "hf rc=$? $(( SECONDS - t ))s"; tail -15 "$LOG/hf.log" ;;
     sanitizer)
-      t=$SECONDS
-      timeout -k 5 300 compute-sanitizer --tool memcheck "$BIN/qwen-mk" bench --preset 0.5b --warmup 1 --steps 2 \
-        > "$LOG/sanitizer.log" 2>&1
-      note "sanitizer rc=$? $(( SECONDS - t ))s: $(grep -E 'ERROR SUMMARY' "$LOG/sanitizer.log" | tail -1)" ;;
+      # The faults program's sanitizer target (17-token prefill in two
+      # chunks + 3 decode steps, 0.5B) under each tool and driver, 4 at a
+      # time; racecheck on 2 of the 24 layers (every layer runs the same
+      # code; all 24 do not finish in 290 s). Then the OOB hook under
+      # memcheck, which must be caught (exit 99).
+      SAN=/usr/local/cuda/bin/compute-sanitizer
+      san() {
+        local name=$1 tool=$2 child=$3 test=$4 lim=200 layers="" extra=()
+        [[ $tool == memcheck ]] && extra=(--padding 65536)
+        [[ $tool == racecheck ]] && { lim=290; layers=2; }
+        QMK_SAN_LAYERS=$layers QMK_TEST_SPIN_S=$((lim + 60)) QMK_TEST_DEADLINE_S=$((lim + 60)) \
+          QMK_FAULT_CHILD=$child timeout -k 5 $lim "$SAN" --tool "$tool" "${extra[@]}" --error-exitcode 99 \
+          "$BIN/test-faults" --exact "$test" --nocapture --test-threads=1 > "$LOG/$name.log" 2>&1
+        echo $? > "$LOG/$name.rc"
+      }
+      runs=()
+      for tool in racecheck memcheck synccheck initcheck; do
+        for d in cudarc cust; do runs+=("san-$tool-$d $tool - sanitize_target::$d"); done
+      done
+      runs+=("san-oob-memcheck memcheck sanitize_oob_child::cudarc sanitize_oob_child::cudarc")
+      for r in "${runs[@]}"; do
+        san $r &
+        while (( $(jobs -rp | wc -l) >= 4 )); do wait -n; done
+      done
+      wait
+      for r in "${runs[@]}"; do
+        set -- $r; f=$LOG/$1.log; rc=$(cat "$LOG/$1.rc")
+        es=$(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$f" | sed 's/^========= //')
+        if [[ $1 == san-oob-* ]]; then
+          v=FAIL; [[ $rc == 99 ]] && grep -q "Invalid __global__ read" "$f" && v=PASS
+          note "$v $1 (must be caught): rc=$rc; $es"
+        else
+          v=FAIL
+          [[ $rc == 0 ]] && grep -q "test result: ok. 1 passed" "$f" && ! grep -q SKIPPED "$f" \
+            && [[ $es == "ERROR SUMMARY: 0 errors" || $es == "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)" ]] && v=PASS
+          note "$v $1: rc=$rc, ${es:-no summary line}"
+        fi
+      done ;;
     *) note "FAIL unknown step $step" ;;
   esac
   tar czf "$OUT/logs.tgz" -C "$LOG" .

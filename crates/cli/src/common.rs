@@ -406,26 +406,10 @@ fn cpu_backend(weights: Arc<Weights>, capacity: usize) -> Result<AnyBackend> {
 pub fn engine_error(e: EngineError) -> anyhow::Error {
     match e {
         EngineError::Backend { backend, source } => {
-            anyhow!("{backend} backend: {}", flatten(source.as_ref()))
+            anyhow!("{backend} backend: {}", crate::ui::flatten(source.as_ref()))
         }
         other => anyhow!("{other}"),
     }
-}
-
-/// `e` and its sources as `a: b: c`, skipping a source whose text the line
-/// already holds.
-pub fn flatten(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut line = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        let t = s.to_string();
-        if !line.contains(&t) {
-            line.push_str(": ");
-            line.push_str(&t);
-        }
-        cur = s.source();
-    }
-    line
 }
 
 /// An error and its causes as one message without repeats (library errors

@@ -64,7 +64,7 @@ pub fn probe() -> Result<GpuInfo, GpuError> {
             total_mem: d.total_mem,
             sms: d.sms,
         }),
-        Err(e) => Err(GpuError::NoGpu(crate::common::flatten(&e))),
+        Err(e) => Err(GpuError::NoGpu(crate::ui::flatten(&e))),
     }
 }
 
@@ -125,7 +125,7 @@ fn open_with<D: Driver + 'static>(
             need_gib: needed as f64 / GIB,
             have_gib: available as f64 / GIB,
         }),
-        Err(e) => Err(GpuError::Other(crate::common::flatten(&e))),
+        Err(e) => Err(GpuError::Other(crate::ui::flatten(&e))),
     }
 }
 

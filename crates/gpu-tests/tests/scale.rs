@@ -290,7 +290,9 @@ fn scale_32b() {
     full_scale("32b");
 }
 
-/// Issue 7 item 3 on the 14B weights (truncated in place to N layers).
+/// The 32-bit trap bisected in a real decode, on the 14B weights truncated in
+/// place to N layers: with the planner's split every N is right; with a plan
+/// made for the wrong offset model the first wrong layer is the predicted one.
 fn bisect(w: &mut Weights) {
     let full = w.config.clone();
     let gate = qmk_model::stacked_specs(&full)
