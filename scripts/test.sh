@@ -33,8 +33,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "docs"
 # The library crates deny missing docs; the doc build must be warning-free.
-RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --locked \
-  -p qmk-layout -p qmk-model -p qmk-engine
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace --locked
 
 step "tests"
 cargo test --workspace --locked --no-fail-fast 2>&1 | tee /tmp/qmk-test.log

@@ -131,8 +131,8 @@ pub struct PrefillParams {
     pub qkv: u64,    // [T, Q + 2 KV] f32
     pub qb: u64,     // [T, Q] bf16 rotated queries
     pub hb: u64,     // [T, I] bf16 silu(gate) * up
-    /// Stream-K scratch of the wgmma GEMM: [G] partial tiles, then the
-    /// launch nonce and [G] flags (sized by `qmk_gpu::plan::stream_k_bytes`).
+    /// Stream-K scratch of the wgmma GEMM: `[G]` partial tiles, then the
+    /// launch nonce and `[G]` flags (sized by `qmk_gpu::plan::stream_k_bytes`).
     pub sk: u64,
     pub n_tokens: u32,
     pub start: u32,

@@ -19,7 +19,7 @@ pub struct CompileArgs {
     /// Target architecture: sm_80, sm_89, sm_90, ...
     #[arg(long, default_value = "sm_90")]
     arch: String,
-    /// Output file (default: qwen-mk-<preset>-<arch>.cubin).
+    /// Output file (default: qwen-mk-PRESET-ARCH.cubin).
     #[arg(short, long)]
     output: Option<PathBuf>,
 }
