@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 use qmk_engine::BackendKind;
-use qmk_gpu::{CudaCode, DeviceAttr, DeviceMemory, Driver, Error, MappedHost, Result};
+use qmk_gpu::{CudaCode, DeviceAttr, DeviceMemory, Driver, Error, LaunchShape, MappedHost, Result};
 
 fn code(e: DriverError) -> CudaCode {
     CudaCode(e.0 as u32)
@@ -88,17 +88,6 @@ impl Drop for Memory {
         let _ = unsafe { result::free_sync(self.ptr) };
     }
 }
-
-/// Releases pinned host memory (errors, a dead context, cannot be reported
-/// from drop).
-///
-/// # Safety
-/// `host` came from `cuMemHostAlloc` and is freed once.
-unsafe fn free_host(host: *mut c_void) {
-    // SAFETY: per the caller.
-    let _ = unsafe { result::free_host(host) };
-}
-
 fn attribute(a: DeviceAttr) -> sys::CUdevice_attribute {
     use sys::CUdevice_attribute::*;
     match a {
@@ -243,26 +232,24 @@ impl Driver for CudarcDriver {
         Ok(Memory { ptr, bytes })
     }
 
-    fn alloc_mapped(&self, bytes: usize) -> Result<MappedHost, CudaCode> {
-        // SAFETY: a pinned allocation, zeroed before any use.
-        let host = unsafe {
-            result::malloc_host(
-                bytes,
-                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
-            )
-        }
-        .map_err(code)?;
-        // SAFETY: `bytes` pinned bytes with DEVICEMAP, released by
-        // cuMemFreeHost.
-        unsafe {
-            MappedHost::adopt(host, bytes, free_host, |h| {
-                let mut device = 0;
-                sys::cuMemHostGetDevicePointer_v2(&mut device, h, 0)
-                    .result()
-                    .map_err(code)?;
-                Ok(device)
-            })
-        }
+    fn host_alloc_mapped(&self, bytes: usize) -> Result<*mut c_void, CudaCode> {
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: a pinned allocation; `MappedHost` zeroes it before use.
+        unsafe { result::malloc_host(bytes, flags) }.map_err(code)
+    }
+
+    unsafe fn host_device_addr(&self, host: *mut c_void) -> Result<u64, CudaCode> {
+        let mut device = 0;
+        // SAFETY: per the caller, `host` is live mapped memory.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) }
+            .result()
+            .map_err(code)?;
+        Ok(device)
+    }
+
+    unsafe fn host_free(host: *mut c_void) {
+        // SAFETY: per the caller.
+        let _ = unsafe { result::free_host(host) };
     }
 
     unsafe fn htod(&self, dst: u64, src: &[u8]) -> Result<(), CudaCode> {
@@ -310,14 +297,11 @@ impl Driver for CudarcDriver {
     unsafe fn launch(
         &self,
         f: Function,
-        grid: u32,
-        block: u32,
-        smem: u32,
+        shape: LaunchShape,
         stream: &Stream,
         params: *mut c_void,
-        cooperative: bool,
     ) -> Result<(), CudaCode> {
-        let launch = if cooperative {
+        let launch = if shape.cooperative {
             result::launch_cooperative_kernel
         } else {
             result::launch_kernel
@@ -326,9 +310,9 @@ impl Driver for CudarcDriver {
         unsafe {
             launch(
                 f.0,
-                (grid, 1, 1),
-                (block, 1, 1),
-                smem,
+                (shape.grid, 1, 1),
+                (shape.block, 1, 1),
+                shape.smem,
                 stream.0,
                 &mut [params],
             )

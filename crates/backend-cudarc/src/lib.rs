@@ -22,26 +22,4 @@
 mod driver;
 
 pub use driver::CudarcDriver;
-pub use qmk_gpu::{
-    BenchOptions, BenchReport, CudaCode, DeviceInfo, Error, LaunchInfo, LaunchOverhead, MemoryPlan,
-    Options, PrefillReport, ProbeReport, ProbeRun, Progress, Result,
-};
-
-/// The megakernel engine on one GPU through cudarc.
-pub type CudarcBackend = qmk_gpu::GpuBackend<CudarcDriver>;
-
-/// Number of CUDA devices ([`Error::NoDriver`] / [`Error::NoDevice`] when
-/// none).
-pub fn device_count() -> Result<usize> {
-    qmk_gpu::device_count::<CudarcDriver>()
-}
-
-/// Describes device `ordinal`.
-pub fn device_info(ordinal: usize) -> Result<DeviceInfo> {
-    qmk_gpu::device_info::<CudarcDriver>(ordinal)
-}
-
-/// Every device.
-pub fn devices() -> Result<Vec<DeviceInfo>> {
-    qmk_gpu::devices::<CudarcDriver>()
-}
+qmk_gpu::driver_api!(CudarcDriver, CudarcBackend, "cudarc");

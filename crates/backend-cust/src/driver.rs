@@ -16,7 +16,7 @@ use cust::stream::{Stream, StreamFlags};
 use cust::sys;
 use cust::CudaFlags;
 use qmk_engine::BackendKind;
-use qmk_gpu::{CudaCode, DeviceAttr, DeviceMemory, Driver, Error, MappedHost, Result};
+use qmk_gpu::{CudaCode, DeviceAttr, DeviceMemory, Driver, Error, LaunchShape, MappedHost, Result};
 
 /// cust folds codes it does not know into `UnknownError` (999).
 fn code(e: CudaError) -> CudaCode {
@@ -57,18 +57,6 @@ impl DeviceMemory for Memory {
         self.0.len()
     }
 }
-
-/// Releases pinned host memory (cust has no wrapper for
-/// `CU_MEMHOSTALLOC_DEVICEMAP`; errors, a dead context, cannot be reported
-/// from drop).
-///
-/// # Safety
-/// `host` came from `cuMemHostAlloc` and is freed once.
-unsafe fn free_host(host: *mut c_void) {
-    // SAFETY: per the caller.
-    let _ = unsafe { sys::cuMemFreeHost(host) };
-}
-
 /// cust's `DeviceAttribute` (CUDA 11.2 era) lacks the opt-in shared memory
 /// and cooperative-launch attributes: those are read through `cust::sys`.
 enum Attr {
@@ -209,25 +197,25 @@ impl Driver for CustDriver {
             .map_err(code)
     }
 
-    fn alloc_mapped(&self, bytes: usize) -> Result<MappedHost, CudaCode> {
+    fn host_alloc_mapped(&self, bytes: usize) -> Result<*mut c_void, CudaCode> {
+        // cust has no wrapper for CU_MEMHOSTALLOC_DEVICEMAP.
         let mut host: *mut c_void = std::ptr::null_mut();
-        // SAFETY: a pinned allocation, zeroed below before any use.
-        check(unsafe {
-            sys::cuMemHostAlloc(
-                &mut host,
-                bytes,
-                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
-            )
-        })?;
-        // SAFETY: `bytes` pinned bytes with DEVICEMAP, released by
-        // cuMemFreeHost.
-        unsafe {
-            MappedHost::adopt(host, bytes, free_host, |h| {
-                let mut device: sys::CUdeviceptr = 0;
-                check(sys::cuMemHostGetDevicePointer_v2(&mut device, h, 0))?;
-                Ok(device)
-            })
-        }
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: a pinned allocation; `MappedHost` zeroes it before use.
+        check(unsafe { sys::cuMemHostAlloc(&mut host, bytes, flags) })?;
+        Ok(host)
+    }
+
+    unsafe fn host_device_addr(&self, host: *mut c_void) -> Result<u64, CudaCode> {
+        let mut device: sys::CUdeviceptr = 0;
+        // SAFETY: per the caller, `host` is live mapped memory.
+        check(unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host, 0) })?;
+        Ok(device)
+    }
+
+    unsafe fn host_free(host: *mut c_void) {
+        // SAFETY: per the caller.
+        let _ = unsafe { sys::cuMemFreeHost(host) };
     }
 
     unsafe fn htod(&self, dst: u64, src: &[u8]) -> Result<(), CudaCode> {
@@ -274,39 +262,36 @@ impl Driver for CustDriver {
     unsafe fn launch(
         &self,
         f: Function,
-        grid: u32,
-        block: u32,
-        smem: u32,
+        shape: LaunchShape,
         stream: &Stream,
         params: *mut c_void,
-        cooperative: bool,
     ) -> Result<(), CudaCode> {
         let mut args = [params];
         // SAFETY: per the trait's contract; the driver copies the block.
         check(unsafe {
-            if cooperative {
+            if shape.cooperative {
                 sys::cuLaunchCooperativeKernel(
                     f.0,
-                    grid,
+                    shape.grid,
                     1,
                     1,
-                    block,
+                    shape.block,
                     1,
                     1,
-                    smem,
+                    shape.smem,
                     stream.as_inner(),
                     args.as_mut_ptr(),
                 )
             } else {
                 sys::cuLaunchKernel(
                     f.0,
-                    grid,
+                    shape.grid,
                     1,
                     1,
-                    block,
+                    shape.block,
                     1,
                     1,
-                    smem,
+                    shape.smem,
                     stream.as_inner(),
                     args.as_mut_ptr(),
                     std::ptr::null_mut(),

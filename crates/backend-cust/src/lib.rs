@@ -26,25 +26,4 @@
 mod driver;
 
 pub use driver::CustDriver;
-pub use qmk_gpu::{
-    BenchOptions, BenchReport, CudaCode, DeviceInfo, Error, LaunchInfo, LaunchOverhead, MemoryPlan,
-    Options, PrefillReport, ProbeReport, ProbeRun, Progress, Result,
-};
-
-/// The megakernel engine on one GPU through cust.
-pub type CustBackend = qmk_gpu::GpuBackend<CustDriver>;
-
-/// Number of CUDA devices ([`Error::NoDevice`] when none).
-pub fn device_count() -> Result<usize> {
-    qmk_gpu::device_count::<CustDriver>()
-}
-
-/// Describes device `ordinal`.
-pub fn device_info(ordinal: usize) -> Result<DeviceInfo> {
-    qmk_gpu::device_info::<CustDriver>(ordinal)
-}
-
-/// Every device.
-pub fn devices() -> Result<Vec<DeviceInfo>> {
-    qmk_gpu::devices::<CustDriver>()
-}
+qmk_gpu::driver_api!(CustDriver, CustBackend, "cust");

@@ -12,7 +12,7 @@ use qmk_kernels::{
 use qmk_model::{Config, Weights};
 
 use crate::cuda::{describe_cubin, CudaCode};
-use crate::driver::{device_info, DeviceMemory, Driver};
+use crate::driver::{device_info, DeviceMemory, Driver, LaunchShape};
 use crate::error::{Error, Result};
 use crate::options::{DeviceInfo, Options, Progress, ABORT_GRACE};
 use crate::plan::{
@@ -558,8 +558,13 @@ impl<D: Driver> GpuBackend<D> {
         let p = (params as *mut P).cast::<c_void>();
         // SAFETY: per the caller; the driver copies the block at launch.
         let r = unsafe {
-            self.driver
-                .launch(f, grid, THREADS_PER_CTA, smem, &self.stream, p, true)
+            let shape = LaunchShape {
+                grid,
+                block: THREADS_PER_CTA,
+                smem,
+                cooperative: true,
+            };
+            self.driver.launch(f, shape, &self.stream, p)
         };
         match r {
             Ok(()) => Ok(()),

@@ -12,7 +12,7 @@ use qmk_engine::Backend as _;
 use qmk_kernels::{StreamParams, FLAG_TOKEN_FROM_ARGMAX, THREADS_PER_CTA};
 
 use crate::backend::{alloc, GpuBackend};
-use crate::driver::{DeviceMemory, Driver};
+use crate::driver::{DeviceMemory, Driver, LaunchShape};
 use crate::error::{Error, Result};
 use crate::plan::prefill_chunks;
 use crate::stats::{
@@ -160,12 +160,9 @@ impl<D: Driver> GpuBackend<D> {
             let r = unsafe {
                 self.driver.launch(
                     self.funcs.stream_read,
-                    grid,
-                    THREADS_PER_CTA,
-                    0,
+                    LaunchShape::plain(grid),
                     &self.stream,
                     args,
-                    false,
                 )
             };
             r.map_err(|c| self.fail("cuLaunchKernel (stream read)", c))?;

@@ -31,6 +31,32 @@ pub enum DeviceAttr {
     CooperativeLaunch,
 }
 
+/// The shape of one launch: a 1-D grid of 1-D CTAs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchShape {
+    /// CTAs.
+    pub grid: u32,
+    /// Threads per CTA.
+    pub block: u32,
+    /// Dynamic shared memory per CTA, bytes.
+    pub smem: u32,
+    /// `cuLaunchCooperativeKernel`: every CTA co-resident (grid barriers).
+    pub cooperative: bool,
+}
+
+impl LaunchShape {
+    /// `grid` CTAs of the cubin's block size, no dynamic shared memory, a
+    /// plain launch (the probes and the bandwidth kernel).
+    pub fn plain(grid: u32) -> LaunchShape {
+        LaunchShape {
+            grid,
+            block: qmk_kernels::THREADS_PER_CTA,
+            smem: 0,
+            cooperative: false,
+        }
+    }
+}
+
 /// A device allocation (freed on drop).
 pub trait DeviceMemory {
     /// Its device address.
@@ -159,8 +185,29 @@ pub trait Driver: Sized {
 
     /// `bytes` of uninitialised device memory.
     fn alloc(&self, bytes: usize) -> Result<Self::Memory, CudaCode>;
-    /// `bytes` of zeroed pinned host memory mapped into the device.
-    fn alloc_mapped(&self, bytes: usize) -> Result<MappedHost, CudaCode>;
+    /// `bytes` of pinned host memory mapped into the device
+    /// (`cuMemHostAlloc` with `DEVICEMAP | PORTABLE`), not initialised.
+    fn host_alloc_mapped(&self, bytes: usize) -> Result<*mut c_void, CudaCode>;
+    /// The address the device sees for mapped host memory `host`
+    /// (`cuMemHostGetDevicePointer`).
+    ///
+    /// # Safety
+    /// `host` came from [`Driver::host_alloc_mapped`] and is live.
+    unsafe fn host_device_addr(&self, host: *mut c_void) -> Result<u64, CudaCode>;
+    /// Releases pinned host memory (`cuMemFreeHost`). Errors (a dead
+    /// context) cannot be reported: it runs from drop.
+    ///
+    /// # Safety
+    /// `host` came from [`Driver::host_alloc_mapped`] and is freed once.
+    unsafe fn host_free(host: *mut c_void);
+    /// `bytes` of zeroed pinned host memory mapped into the device, freed
+    /// on drop.
+    fn alloc_mapped(&self, bytes: usize) -> Result<MappedHost, CudaCode> {
+        let host = self.host_alloc_mapped(bytes)?;
+        // SAFETY: `bytes` pinned bytes with DEVICEMAP, released by
+        // `host_free`; the device address is asked of the same context.
+        unsafe { MappedHost::adopt(host, bytes, Self::host_free, |h| self.host_device_addr(h)) }
+    }
     /// Synchronous copy of `src` to device address `dst`.
     ///
     /// # Safety
@@ -200,23 +247,19 @@ pub trait Driver: Sized {
     fn stream(&self) -> Result<Self::Stream, CudaCode>;
     /// Waits for all work queued on `stream`.
     fn stream_synchronize(&self, stream: &Self::Stream) -> Result<(), CudaCode>;
-    /// Launches `f` on a 1-D grid with one parameter block passed by value
-    /// (`params` points at it; the driver copies it at launch).
-    /// `cooperative`: `cuLaunchCooperativeKernel` (every CTA co-resident).
+    /// Launches `f` with the 1-D shape `shape` and one parameter block
+    /// passed by value (`params` points at it; the driver copies it at
+    /// launch).
     ///
     /// # Safety
     /// `params` points at the kernel's parameter type, and every address in
     /// it stays a live allocation until the launch completes.
-    #[allow(clippy::too_many_arguments)]
     unsafe fn launch(
         &self,
         f: Self::Function,
-        grid: u32,
-        block: u32,
-        smem: u32,
+        shape: LaunchShape,
         stream: &Self::Stream,
         params: *mut c_void,
-        cooperative: bool,
     ) -> Result<(), CudaCode>;
 
     /// A timing event.

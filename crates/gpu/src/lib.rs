@@ -38,7 +38,7 @@ mod status;
 pub use backend::GpuBackend;
 pub use cuda::{cuda_error_name, describe_cubin, is_sticky, CudaCode};
 pub use driver::{
-    device_count, device_info, devices, DeviceAttr, DeviceMemory, Driver, MappedHost,
+    device_count, device_info, devices, DeviceAttr, DeviceMemory, Driver, LaunchShape, MappedHost,
 };
 pub use error::{Error, Result};
 pub use options::{
@@ -49,3 +49,35 @@ pub use plan::{LaunchInfo, MemoryPlan, MAX_KV_LAYER_BYTES};
 pub use probe::{ProbeReport, ProbeRun};
 pub use staging::{PlannedChunk, WeightSource};
 pub use stats::{BenchOptions, BenchReport, LaunchOverhead, PrefillReport};
+
+/// The public API of a driver crate, written once: re-exports of the
+/// backend's types, `$backend` (the backend over `$driver`), and the device
+/// queries through `$driver`. A driver crate calls it once at its root.
+#[macro_export]
+macro_rules! driver_api {
+    ($driver:ident, $backend:ident, $binding:literal) => {
+        pub use $crate::{
+            BenchOptions, BenchReport, CudaCode, DeviceInfo, Error, LaunchInfo, LaunchOverhead,
+            MemoryPlan, Options, PrefillReport, ProbeReport, ProbeRun, Progress, Result,
+        };
+
+        #[doc = concat!("The megakernel engine on one GPU through ", $binding, ".")]
+        pub type $backend = $crate::GpuBackend<$driver>;
+
+        /// Number of CUDA devices ([`Error::NoDriver`] without a CUDA
+        /// driver, [`Error::NoDevice`] without a device).
+        pub fn device_count() -> Result<usize> {
+            $crate::device_count::<$driver>()
+        }
+
+        /// Describes device `ordinal`.
+        pub fn device_info(ordinal: usize) -> Result<DeviceInfo> {
+            $crate::device_info::<$driver>(ordinal)
+        }
+
+        /// Every device.
+        pub fn devices() -> Result<Vec<DeviceInfo>> {
+            $crate::devices::<$driver>()
+        }
+    };
+}

@@ -16,7 +16,7 @@ use qmk_layout::{first_wrapping_slice, plan_split, Chunk, TensorPlan, KERNEL_OFF
 use qmk_model::Config;
 
 use crate::backend::{alloc, GpuBackend};
-use crate::driver::{DeviceMemory, Driver};
+use crate::driver::{DeviceMemory, Driver, LaunchShape};
 use crate::error::{Error, Result};
 
 /// One probe pass.
@@ -118,12 +118,9 @@ impl<D: Driver> GpuBackend<D> {
         let r = unsafe {
             self.driver.launch(
                 self.funcs.probe_fill,
-                self.info.sms * 4,
-                THREADS_PER_CTA,
-                0,
+                LaunchShape::plain(self.info.sms * 4),
                 &self.stream,
                 args,
-                false,
             )
         };
         r.map_err(|c| self.fail("cuLaunchKernel (probe fill)", c))?;
@@ -156,12 +153,9 @@ impl<D: Driver> GpuBackend<D> {
             let r = unsafe {
                 self.driver.launch(
                     self.funcs.probe,
-                    blocks,
-                    THREADS_PER_CTA,
-                    0,
+                    LaunchShape::plain(blocks),
                     &self.stream,
                     args,
-                    false,
                 )
             };
             r.map_err(|c| self.fail("cuLaunchKernel (trap probe)", c))?;
