@@ -16,8 +16,11 @@ use crate::source;
 pub struct Arch(pub u32);
 
 impl Arch {
+    /// Ampere data center (A100), sm_80.
     pub const SM80: Arch = Arch(80);
+    /// Ada Lovelace (L4, L40S, RTX 40xx), sm_89.
     pub const SM89: Arch = Arch(89);
+    /// Hopper (H100, H200), sm_90; compiled as sm_90a.
     pub const SM90: Arch = Arch(90);
     /// The archs CI compiles for.
     pub const CI: [Arch; 3] = [Arch::SM80, Arch::SM89, Arch::SM90];
@@ -83,10 +86,15 @@ impl fmt::Display for Arch {
 /// One kernel's resource use, from ptxas' verbose report.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Resources {
+    /// The kernel's entry function name.
     pub function: String,
+    /// Registers per thread.
     pub registers: u32,
+    /// Stack frame per thread, bytes.
     pub stack_bytes: u64,
+    /// Register spill stores, bytes.
     pub spill_stores: u64,
+    /// Register spill loads, bytes.
     pub spill_loads: u64,
     /// Static shared memory (the megakernel also takes dynamic smem).
     pub smem_bytes: u64,
@@ -139,7 +147,9 @@ pub fn parse_ptxas_log(log: &str) -> Vec<Resources> {
 /// A compiled megakernel module.
 #[derive(Debug, Clone)]
 pub struct Cubin {
+    /// The architecture it was compiled for.
     pub arch: Arch,
+    /// The cubin image.
     pub bytes: Vec<u8>,
     /// `qmk_fingerprint` of the build it came from (0 when loaded from a
     /// file without one known).
@@ -148,6 +158,7 @@ pub struct Cubin {
     pub log: String,
     /// Where the cache holds it, if it was cached.
     pub cache_path: Option<PathBuf>,
+    /// Whether it was read from the cache or a file rather than compiled.
     pub from_cache: bool,
 }
 
@@ -224,6 +235,7 @@ impl Compiler {
         Ok(Compiler::with_nvrtc(Nvrtc::load()?))
     }
 
+    /// Uses an already loaded NVRTC; cache in [`default_cache_dir`].
     pub fn with_nvrtc(nvrtc: Nvrtc) -> Compiler {
         Compiler {
             nvrtc,
@@ -238,6 +250,7 @@ impl Compiler {
         self
     }
 
+    /// The NVRTC library it compiles with.
     pub fn nvrtc(&self) -> &Nvrtc {
         &self.nvrtc
     }

@@ -18,7 +18,9 @@ pub const ATTN_TILE: u64 = 16;
 /// Everything that goes into compiling the megakernel for one model.
 #[derive(Debug, Clone)]
 pub struct KernelBuild {
+    /// The model configuration.
     pub config: Config,
+    /// The model's split plan (chunks, shapes, strides).
     pub plan: ModelPlan,
     /// `qmk_plan.h`.
     pub plan_header: String,

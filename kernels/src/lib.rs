@@ -17,6 +17,8 @@
 //! `cuda/core/params.cuh`; the build renders `static_assert`s of its size and of
 //! every field offset from the Rust side.
 
+#![deny(missing_docs)]
+
 mod compile;
 mod error;
 mod header;

@@ -57,6 +57,7 @@ impl std::fmt::Debug for Nvrtc {
 /// Output of one successful compilation.
 #[derive(Debug, Clone)]
 pub struct Compiled {
+    /// The cubin image.
     pub cubin: Vec<u8>,
     /// NVRTC's log (with `--ptxas-options=-v`: registers, spills, smem).
     pub log: String,
@@ -157,6 +158,7 @@ impl Nvrtc {
         })
     }
 
+    /// The library file or loader name it was loaded from.
     pub fn path(&self) -> &Path {
         &self.path
     }

@@ -73,41 +73,79 @@ pub const SKIP_SHIFT: u32 = 8;
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct KernelParams {
-    pub embed_tokens: [u64; MAX_CHUNKS],             // [V, H] bf16
-    pub lm_head: [u64; MAX_CHUNKS],                  // [V, H] bf16 (embed_tokens when tied)
-    pub input_layernorm: [u64; MAX_CHUNKS],          // [L, H] bf16
-    pub q_proj: [u64; MAX_CHUNKS],                   // [L, Q, H] bf16
-    pub q_bias: [u64; MAX_CHUNKS],                   // [L, Q] bf16
-    pub k_proj: [u64; MAX_CHUNKS],                   // [L, KV, H] bf16
-    pub k_bias: [u64; MAX_CHUNKS],                   // [L, KV] bf16
-    pub v_proj: [u64; MAX_CHUNKS],                   // [L, KV, H] bf16
-    pub v_bias: [u64; MAX_CHUNKS],                   // [L, KV] bf16
-    pub o_proj: [u64; MAX_CHUNKS],                   // [L, H, Q] bf16
-    pub post_attention_layernorm: [u64; MAX_CHUNKS], // [L, H] bf16
-    pub gate_proj: [u64; MAX_CHUNKS],                // [L, I, H] bf16
-    pub up_proj: [u64; MAX_CHUNKS],                  // [L, I, H] bf16
-    pub down_proj: [u64; MAX_CHUNKS],                // [L, H, I] bf16
-    pub norm: [u64; MAX_CHUNKS],                     // [H] bf16
-    pub k_cache: u64,                                // [L, C, KV] bf16
-    pub v_cache: u64,                                // [L, C, KV] bf16
-    pub rope_cos: u64,                               // [C, D/2] f32
-    pub rope_sin: u64,                               // [C, D/2] f32
-    pub x: u64,                                      // [H] f32
-    pub q: u64,                                      // [Q] f32
-    pub attn: u64,                                   // [Q] f32
-    pub mlp_h: u64,                                  // [I] f32
-    pub logits: u64,                                 // [V] f32
-    pub partial_val: u64,                            // [grid] f32
-    pub partial_idx: u64,                            // [grid] u32
-    pub argmax_out: u64,                             // [1] u32
-    pub sync: u64,                                   // SyncState, device
-    pub status: u64,                                 // HostStatus, mapped host memory
+    /// Chunk bases of the token embeddings, bf16 `[V, H]` (device addresses).
+    pub embed_tokens: [u64; MAX_CHUNKS],
+    /// Chunk bases of the LM head, bf16 `[V, H]` (device addresses); `embed_tokens`'
+    /// bases when tied.
+    pub lm_head: [u64; MAX_CHUNKS],
+    /// Chunk bases of the stacked pre-attention RMSNorm weights, bf16 `[L, H]` (device addresses).
+    pub input_layernorm: [u64; MAX_CHUNKS],
+    /// Chunk bases of the stacked q_proj weights, bf16 `[L, Q, H]` (device addresses).
+    pub q_proj: [u64; MAX_CHUNKS],
+    /// Chunk bases of the stacked q_proj biases, bf16 `[L, Q]` (device addresses).
+    pub q_bias: [u64; MAX_CHUNKS],
+    /// Chunk bases of the stacked k_proj weights, bf16 `[L, KV, H]` (device addresses).
+    pub k_proj: [u64; MAX_CHUNKS],
+    /// Chunk bases of the stacked k_proj biases, bf16 `[L, KV]` (device addresses).
+    pub k_bias: [u64; MAX_CHUNKS],
+    /// Chunk bases of the stacked v_proj weights, bf16 `[L, KV, H]` (device addresses).
+    pub v_proj: [u64; MAX_CHUNKS],
+    /// Chunk bases of the stacked v_proj biases, bf16 `[L, KV]` (device addresses).
+    pub v_bias: [u64; MAX_CHUNKS],
+    /// Chunk bases of the stacked o_proj weights, bf16 `[L, H, Q]` (device addresses).
+    pub o_proj: [u64; MAX_CHUNKS],
+    /// Chunk bases of the stacked pre-MLP RMSNorm weights, bf16 `[L, H]` (device addresses).
+    pub post_attention_layernorm: [u64; MAX_CHUNKS],
+    /// Chunk bases of the stacked gate_proj weights, bf16 `[L, I, H]` (device addresses).
+    pub gate_proj: [u64; MAX_CHUNKS],
+    /// Chunk bases of the stacked up_proj weights, bf16 `[L, I, H]` (device addresses).
+    pub up_proj: [u64; MAX_CHUNKS],
+    /// Chunk bases of the stacked down_proj weights, bf16 `[L, H, I]` (device addresses).
+    pub down_proj: [u64; MAX_CHUNKS],
+    /// Chunk bases of the final RMSNorm weight, bf16 `[H]` (device addresses).
+    pub norm: [u64; MAX_CHUNKS],
+    /// Key cache, bf16 `[L, C, KV]` (device address).
+    pub k_cache: u64,
+    /// Value cache, bf16 `[L, C, KV]` (device address).
+    pub v_cache: u64,
+    /// Rotary cosine table, f32 `[C, D/2]` (device address).
+    pub rope_cos: u64,
+    /// Rotary sine table, f32 `[C, D/2]` (device address).
+    pub rope_sin: u64,
+    /// Residual stream, f32 `[H]` (device address).
+    pub x: u64,
+    /// Rotated queries, f32 `[Q]` (device address).
+    pub q: u64,
+    /// Attention output, f32 `[Q]` (device address).
+    pub attn: u64,
+    /// MLP hidden activation `silu(gate) * up`, f32 `[I]` (device address).
+    pub mlp_h: u64,
+    /// Output logits, f32 `[V]` (device address).
+    pub logits: u64,
+    /// Per-CTA max logit of the argmax, f32 `[grid]` (device address).
+    pub partial_val: u64,
+    /// Vocabulary index of each per-CTA max logit, u32 `[grid]` (device address).
+    pub partial_idx: u64,
+    /// Greedy pick of the step, u32 `[1]` (device address).
+    pub argmax_out: u64,
+    /// Grid-barrier state, a [`SyncState`] (device address).
+    pub sync: u64,
+    /// Kernel-to-host status, a [`HostStatus`] in mapped pinned host memory (device address).
+    pub status: u64,
+    /// Time budget of every spin-wait, nanoseconds; past it the kernel reports
+    /// [`err::BARRIER_TIMEOUT`].
     pub spin_timeout_ns: u64,
+    /// Input token id (unless [`FLAG_TOKEN_FROM_ARGMAX`] is set).
     pub token: u32,
+    /// Position being decoded.
     pub pos: u32,
+    /// KV cache capacity C, positions.
     pub kv_capacity: u32,
+    /// Flag bits: `FLAG_*` and the skip mask at [`SKIP_SHIFT`].
     pub flags: u32,
+    /// Epsilon of every RMSNorm.
     pub rms_norm_eps: f32,
+    /// Padding; zero.
     pub reserved: u32,
     /// Split-attention scratch (sized by `qmk_gpu::plan::attn_part_bytes`).
     pub attn_part: u64,
@@ -124,19 +162,30 @@ pub const ATTN_MAX_SPLITS: u32 = 64;
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct PrefillParams {
+    /// Decode parameter block shared with the step (`pos` and `token` unused).
     pub base: KernelParams,
-    pub tokens: u64, // [n] u32
-    pub act: u64,    // [T, H] f32 residual stream
-    pub xa: u64,     // [T, max(H, Q)] bf16 normed input / attention output
-    pub qkv: u64,    // [T, Q + 2 KV] f32
-    pub qb: u64,     // [T, Q] bf16 rotated queries
-    pub hb: u64,     // [T, I] bf16 silu(gate) * up
+    /// Token ids of this chunk, u32 `[n]` (device address).
+    pub tokens: u64,
+    /// Residual stream of the chunk, f32 `[T, H]` (device address).
+    pub act: u64,
+    /// Normed input / attention output, bf16 `[T, max(H, Q)]` (device address).
+    pub xa: u64,
+    /// q/k/v projections plus bias before rotary, f32 `[T, Q + 2 KV]` (device address).
+    pub qkv: u64,
+    /// Rotated queries, bf16 `[T, Q]` (device address).
+    pub qb: u64,
+    /// MLP hidden activation `silu(gate) * up`, bf16 `[T, I]` (device address).
+    pub hb: u64,
     /// Stream-K scratch of the wgmma GEMM: `[G]` partial tiles, then the
     /// launch nonce and `[G]` flags (sized by `qmk_gpu::plan::stream_k_bytes`).
     pub sk: u64,
+    /// Positions in this chunk, n (`1..=max_tokens`).
     pub n_tokens: u32,
+    /// Position of `tokens[0]`.
     pub start: u32,
+    /// Rows T of every scratch buffer above.
     pub max_tokens: u32,
+    /// Padding; zero.
     pub reserved: u32,
 }
 
@@ -144,9 +193,13 @@ pub struct PrefillParams {
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct SyncState {
+    /// Barrier arrivals since the last reset.
     pub arrived: u64,
+    /// Value of `arrived` when the next launch starts.
     pub base: u64,
+    /// Error code of the first error, claimed by compare-and-swap; nonzero aborts.
     pub error_claim: u32,
+    /// Padding; zero.
     pub reserved: [u32; 3],
 }
 
@@ -154,13 +207,21 @@ pub struct SyncState {
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct HostStatus {
+    /// Written by the host: nonzero stops the kernel at its next spin-wait check.
     pub abort: u32,
+    /// Error code of the first error ([`err`]).
     pub error: u32,
+    /// Phase where the error happened ([`phase_name`]).
     pub phase: u32,
+    /// Layer where the error happened.
     pub layer: u32,
+    /// CTA that recorded the error.
     pub cta: u32,
+    /// Grid barriers in the last completed step.
     pub barriers: u32,
+    /// Greedy pick of the last completed step.
     pub argmax: u32,
+    /// Steps completed (wrapping).
     pub done: u32,
 }
 
@@ -168,15 +229,25 @@ pub struct HostStatus {
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct ProbeParams {
+    /// Chunk bases of the probed bf16 `[layers, rows, cols]` tensor (device addresses).
     pub chunk_base: [u64; MAX_CHUNKS],
+    /// The bf16 bits read per layer, u32 `[layers]` (device address).
     pub out: u64,
+    /// First layer of each chunk, then `layers`.
     pub chunk_start: [u32; MAX_CHUNKS + 1],
+    /// Chunks in use in `chunk_base`.
     pub num_chunks: u32,
+    /// Layers of the tensor.
     pub layers: u32,
+    /// Rows per layer.
     pub rows: u32,
+    /// Columns per row.
     pub cols: u32,
+    /// Layer stride, elements.
     pub stride0: u32,
+    /// Row stride, elements.
     pub stride1: u32,
+    /// Column stride, elements.
     pub stride2: u32,
 }
 
@@ -184,8 +255,11 @@ pub struct ProbeParams {
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct ProbeFillParams {
+    /// The whole probe tensor, bf16 `[layers, rows, cols]` (device address).
     pub base: u64,
+    /// 16-byte vectors in the tensor.
     pub n_vec16: u64,
+    /// 16-byte vectors per layer.
     pub layer_vecs: u64,
 }
 
@@ -193,19 +267,28 @@ pub struct ProbeFillParams {
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct StreamParams {
+    /// Buffer read, 16-byte vectors `[n_vec16]` of any contents (device address).
     pub src: u64,
+    /// 16-byte vectors in `src`.
     pub n_vec16: u64,
+    /// Per-CTA xor of every 32-bit word read, u32 `[grid]` (device address).
     pub out: u64,
 }
 
 /// Kernel error codes (`qmk::kErr*`).
 pub mod err {
+    /// No error.
     pub const NONE: u32 = 0;
+    /// A grid barrier or other spin-wait ran past its time budget.
     pub const BARRIER_TIMEOUT: u32 = 1;
+    /// The host set [`HostStatus::abort`](super::HostStatus::abort).
     pub const ABORTED: u32 = 2;
+    /// The input token is outside the vocabulary.
     pub const BAD_TOKEN: u32 = 3;
+    /// The position is past the KV cache capacity.
     pub const BAD_POS: u32 = 4;
 
+    /// A short description of an error code.
     pub fn name(code: u32) -> &'static str {
         match code {
             NONE => "none",
