@@ -10,7 +10,7 @@
 // ld.acquire.gpu (release/acquire through the CTA barrier are cumulative in
 // the PTX memory model). A __threadfence before the arrival and after the
 // poll orders the same writes and measured ~0.13 us slower per barrier on
-// the H200 (docs/decisions/kernel-flags-removed.md).
+// the H200 (docs/decisions/0016-kernel-flags-removed.md).
 #pragma once
 
 namespace qmk {

@@ -383,7 +383,7 @@ constexpr u32 kWgMinSplitSteps = 16;
 // of one wave) gained nothing; splitting the tail of every phase lost ~1 ms;
 // keeping short last waves data-parallel (only the first case split) was
 // 0.3 ms slower at 7B 512 tokens and 0.7 ms at 2,048
-// (docs/decisions/kernel-flags-removed.md).
+// (docs/decisions/0016-kernel-flags-removed.md).
 // kFlagPfNoStreamK: all data-parallel (the stream-K test's oracle).
 __device__ __forceinline__ u32 wg_dp_tiles(u32 tiles, u32 G, u32 flags) {
     if (flags & kFlagPfNoStreamK) return tiles;
