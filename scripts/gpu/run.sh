@@ -22,6 +22,13 @@
 #               prefill (needs BASE at build time)
 #   hf          Hugging Face transformers eager on the same shapes
 #               (scripts/gpu/hf_side_by_side.py)
+#   real        the real 0.5B weights (QMK_REAL_QWEN, default /tmp/real-qwen/model,
+#               put there earlier in the same lease by real-qwen-to-device):
+#               transformers' goldens with Qwen2.5's YaRN setting
+#               (scripts/gpu/hf_golden.py, CPU, written to $OUT with its
+#               rotary table), then the real_weights test program: plain
+#               goldens, YaRN goldens, YaRN at 40,000 positions vs the CPU
+#               reference fed the GPU's cache
 #   sanitizer   compute-sanitizer memcheck, racecheck, synccheck, initcheck on
 #               a short prefill + decode, both drivers; the OOB hook must be
 #               caught
@@ -34,7 +41,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 CARRY=${CARRY:-$ROOT/.carry/gpu}
 # GPU test programs: package:test-target.
 TEST_PROGRAMS=${TEST_PROGRAMS:-"qmk-gpu-tests:gpu qmk-gpu-tests:long_context qmk-gpu-tests:prefill
-  qmk-gpu-tests:faults qmk-gpu-tests:endurance qmk-gpu-tests:scale qmk-gpu-tests:checksums"}
+  qmk-gpu-tests:faults qmk-gpu-tests:endurance qmk-gpu-tests:scale qmk-gpu-tests:checksums
+  qmk-gpu-tests:real_weights"}
 
 if [[ ${1:-} == build ]]; then
   set -e
@@ -141,7 +149,7 @@ for step in $STEPS; do
     tests)
       for p in "$BIN"/test-*; do
         n=$(basename "$p")
-        [[ $n == test-checksums ]] && continue
+        [[ $n == test-checksums || $n == test-real_weights ]] && continue
         run_tests "$n" 500 $(test_args "$n")
       done ;;
     test-*)
@@ -169,6 +177,23 @@ for step in $STEPS; do
           bench "ab$r-$v-prefill-7b-2048" $v --preset 7b --prefill 2048 --prefill-chunk 2048
         done
       done ;;
+    real)
+      R=${QMK_REAL_QWEN:-/tmp/real-qwen/model}
+      [[ -f $R/config.json ]] || { note "FAIL real: no model at $R"; continue; }
+      G=$ROOT/crates/model/tests/data/golden
+      export QMK_REAL_QWEN=$R QMK_GOLDENS=$G/qwen2.5-coder-0.5b-instruct.jsonl
+      yarn='{"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}'
+      t=$SECONDS
+      timeout -k 5 450 python3 "$ROOT/scripts/gpu/hf_golden.py" "$R" "$G/prompts.jsonl" \
+        "$OUT/golden-yarn.jsonl" --rope-scaling "$yarn" --rope-out "$OUT/rope-yarn.json" \
+        > "$LOG/hf-golden-yarn.log" 2>&1 &
+      hf=$!
+      run_tests test-real_weights 450 goldens_plain yarn_long
+      mv "$LOG/test-real_weights.log" "$LOG/test-real_weights-plain-long.log"
+      wait $hf
+      note "hf golden yarn rc=$? $(( SECONDS - t ))s"; tail -12 "$LOG/hf-golden-yarn.log"
+      QMK_GOLDENS_YARN=$OUT/golden-yarn.jsonl run_tests test-real_weights 300 goldens_yarn
+      grep -h "PASS\|diverges" "$LOG"/test-real_weights*.log | while read -r x; do note "    ${x:0:300}"; done ;;
     hf)
       t=$SECONDS
       timeout -k 5 300 python3 "$ROOT/scripts/gpu/hf_side_by_side.py" --budget 200 \

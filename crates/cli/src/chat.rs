@@ -46,11 +46,11 @@ fn run_inner(args: ChatArgs) -> Result<()> {
     let target = choose_target(args.run.backend, &ui)?;
     let model = Model::open(&args.model, &ui)?;
     let template = model.chat_template()?;
-    let model_max = model.config.max_position_embeddings;
+    let (model_max, max_name) = crate::common::model_context(&model.config);
     let capacity = match args.run.context {
         Some(0) => bail!("invalid value for --context: 0 (must be at least 1)"),
         Some(c) if c > model_max => {
-            bail!("--context {c} exceeds the model's max_position_embeddings ({model_max})")
+            bail!("--context {c} exceeds the model's {max_name} ({model_max})")
         }
         Some(c) => c,
         None => model_max.min(DEFAULT_CONTEXT),

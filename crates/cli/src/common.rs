@@ -219,6 +219,20 @@ pub fn locate(spec: &str, revision: &str, ui: &Ui) -> Result<PathBuf> {
     hub::fetch_model(spec, revision, ui)
 }
 
+/// The model's longest context and the config field it comes from:
+/// `max_position_embeddings`, or with YaRN the scaled context.
+pub fn model_context(config: &Config) -> (usize, &'static str) {
+    let max = config.max_context();
+    if max == config.max_position_embeddings {
+        (max, "max_position_embeddings")
+    } else {
+        (
+            max,
+            "YaRN context (factor x original_max_position_embeddings)",
+        )
+    }
+}
+
 /// Checks a prompt's length against the model and the requested context,
 /// and settles the KV capacity and the number of new tokens. Returns
 /// (capacity, max_new_tokens).
@@ -229,13 +243,13 @@ pub fn plan_context(
     context: Option<usize>,
     ui: &Ui,
 ) -> Result<(usize, usize)> {
-    let model_max = config.max_position_embeddings;
+    let (model_max, max_name) = model_context(config);
     if let Some(c) = context {
         if c == 0 {
             bail!("invalid value for --context: 0 (must be at least 1)");
         }
         if c > model_max {
-            bail!("--context {c} exceeds the model's max_position_embeddings ({model_max})");
+            bail!("--context {c} exceeds the model's {max_name} ({model_max})");
         }
     }
     let limit = context.unwrap_or(model_max);
@@ -243,7 +257,7 @@ pub fn plan_context(
         let what = if context.is_some() {
             format!("the context (--context {limit})")
         } else {
-            format!("the model's context (max_position_embeddings = {limit})")
+            format!("the model's context ({max_name} = {limit})")
         };
         bail!("prompt too long: {prompt_len} tokens do not fit in {what}");
     }

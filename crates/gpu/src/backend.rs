@@ -316,8 +316,11 @@ impl<D: Driver> GpuBackend<D> {
         tie_embeddings(&config, &mut params);
 
         // KV cache, rope tables, scratch: zeroed but for the rope tables.
-        let rope =
-            qmk_model::reference::Rope::new(config.head_dim(), config.rope_theta, opts.capacity);
+        let rope = qmk_model::reference::Rope::from_spec(
+            &config.rope()?,
+            config.head_dim(),
+            opts.capacity,
+        );
         let mut buffers = Vec::with_capacity(memory.buffers.len() + memory.prefill.len());
         let (mut sync, mut logits) = (None, None);
         for &(b, bytes) in &memory.buffers {

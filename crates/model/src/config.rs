@@ -43,7 +43,9 @@ pub struct Config {
     pub max_position_embeddings: usize,
     /// Epsilon of every RMSNorm.
     pub rms_norm_eps: f64,
-    /// Base of the rotary position embedding.
+    /// Base of the rotary position embedding (transformers' default when
+    /// absent; a `rope_theta` inside `rope_parameters` takes precedence).
+    #[serde(default = "default_rope_theta")]
     pub rope_theta: f64,
     /// The LM head is the embedding matrix.
     #[serde(default)]
@@ -54,6 +56,37 @@ pub struct Config {
     /// Window size when `use_sliding_window` is set.
     #[serde(default)]
     pub sliding_window: Option<usize>,
+    /// Layers from this index on slide their window when
+    /// `use_sliding_window` is set (transformers' default: 28).
+    #[serde(default)]
+    pub max_window_layers: Option<usize>,
+    /// Per-layer attention kind, `full_attention` or `sliding_attention`.
+    #[serde(default)]
+    pub layer_types: Option<Vec<String>>,
+    /// The MLP's activation; the engine runs `silu` (alias `swish`).
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+    /// Rotary scaling as older transformers writes it (`type` or
+    /// `rope_type`, `factor`, ...); see [`crate::rope`].
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    /// Rotary parameters as newer transformers writes them (`rope_type`,
+    /// `rope_theta` and the scaling fields); see [`crate::rope`].
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    /// Set in quantised checkpoints (AWQ, GPTQ, FP8, ...), which the
+    /// engine refuses.
+    #[serde(default)]
+    pub quantization_config: Option<serde_json::Value>,
+    /// Biases on q/k/v; Qwen2 always has them, so only `true` runs.
+    #[serde(default)]
+    pub attention_bias: Option<bool>,
+    /// Biases on the MLP projections; Qwen2 has none, so only `false` runs.
+    #[serde(default)]
+    pub mlp_bias: Option<bool>,
+    /// Fraction of each head that rotates; only 1 runs.
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
     /// The checkpoint's dtype as transformers names it.
     #[serde(default)]
     pub torch_dtype: Option<String>,
@@ -123,6 +156,15 @@ impl Config {
             tie_word_embeddings: row.tied,
             use_sliding_window: false,
             sliding_window: Some(32768),
+            max_window_layers: None,
+            layer_types: None,
+            hidden_act: Some("silu".to_string()),
+            rope_scaling: None,
+            rope_parameters: None,
+            quantization_config: None,
+            attention_bias: None,
+            mlp_bias: None,
+            partial_rotary_factor: None,
             torch_dtype: Some("bfloat16".to_string()),
             bos_token_id: Some(151643),
             eos_token_id: Some(serde_json::Value::from(151645u32)),
@@ -159,11 +201,16 @@ impl Config {
     /// 3. `num_attention_heads % num_key_value_heads == 0` (GQA groups);
     /// 4. without `head_dim`, `hidden_size % num_attention_heads == 0`;
     /// 5. `head_dim` is even (rotate-half RoPE pairs dims `i` and `i + d/2`);
-    /// 6. `use_sliding_window` is false (the kernel attends to the full
-    ///    context);
+    /// 6. no layer slides its attention window (the kernel attends to the
+    ///    full context): `use_sliding_window` is false, or no layer reaches
+    ///    `max_window_layers`, or `layer_types` has no sliding layer;
     /// 7. `rms_norm_eps` and `rope_theta` are finite and positive;
     /// 8. the widths `heads * head_dim` etc. fit in `usize` (sizes of whole
-    ///    tensors are checked by [`crate::inventory`]).
+    ///    tensors are checked by [`crate::inventory`]);
+    /// 9. every field that changes the maths has a value the engine
+    ///    computes: `hidden_act` SiLU, the rotary entry plain or YaRN
+    ///    ([`crate::rope::rope_spec`]), no `quantization_config`, q/k/v
+    ///    biases on, MLP biases off, `partial_rotary_factor` 1.
     pub fn validate_at(&self, path: &Path) -> Result<(), ModelError> {
         let bad = |field: &'static str, reason: String| ModelError::InvalidConfig {
             path: path.to_path_buf(),
@@ -232,10 +279,25 @@ impl Config {
             ));
         }
         // 6. full attention only
-        if self.use_sliding_window {
+        if let Some(t) = self
+            .layer_types
+            .iter()
+            .flatten()
+            .find(|t| *t != "full_attention" && *t != "sliding_attention")
+        {
+            return Err(bad(
+                "layer_types",
+                format!("`{t}` is not an attention kind (full_attention, sliding_attention)"),
+            ));
+        }
+        if let Some(first) = self.first_sliding_layer() {
             return Err(bad(
                 "use_sliding_window",
-                "sliding-window attention is not supported".to_string(),
+                format!(
+                    "layers {first}.. attend through a window of {} positions; \
+                     sliding-window attention is not supported",
+                    self.sliding_window.unwrap_or(0)
+                ),
             ));
         }
         // 7. float parameters
@@ -256,7 +318,81 @@ impl Config {
                 ));
             }
         }
+        // 9. fields that change the maths
+        if let Some(act) = &self.hidden_act {
+            if act != "silu" && act != "swish" {
+                return Err(bad(
+                    "hidden_act",
+                    format!("`{act}` is not supported (the engine's MLP runs silu)"),
+                ));
+            }
+        }
+        crate::rope::rope_spec(self, path)?;
+        if let Some(q) = self.quantization_config.as_ref().filter(|q| !q.is_null()) {
+            let method = q
+                .get("quant_method")
+                .and_then(|m| m.as_str())
+                .unwrap_or("unnamed");
+            return Err(bad(
+                "quantization_config",
+                format!(
+                    "quantised checkpoints ({method}) are not supported; use the bf16, f16 or f32 weights"
+                ),
+            ));
+        }
+        if self.attention_bias == Some(false) {
+            return Err(bad(
+                "attention_bias",
+                "false is not supported (Qwen2 adds biases to q, k and v)".to_string(),
+            ));
+        }
+        if self.mlp_bias == Some(true) {
+            return Err(bad(
+                "mlp_bias",
+                "true is not supported (Qwen2's MLP has no biases)".to_string(),
+            ));
+        }
+        if let Some(p) = self.partial_rotary_factor.filter(|p| *p != 1.0) {
+            return Err(bad(
+                "partial_rotary_factor",
+                format!("{p} is not supported (every dimension of a head rotates)"),
+            ));
+        }
         Ok(())
+    }
+
+    /// The first layer that attends through a sliding window, as
+    /// transformers decides it: the window is on only with
+    /// `use_sliding_window` and a `sliding_window`; then `layer_types` names
+    /// the sliding layers, or else every layer from `max_window_layers`
+    /// (default 28) on slides.
+    pub fn first_sliding_layer(&self) -> Option<usize> {
+        if !self.use_sliding_window || self.sliding_window.is_none() {
+            return None;
+        }
+        match &self.layer_types {
+            Some(types) => types.iter().position(|t| t == "sliding_attention"),
+            None => {
+                let from = self.max_window_layers.unwrap_or(28);
+                (from < self.num_hidden_layers).then_some(from)
+            }
+        }
+    }
+
+    /// The rotary embedding this config asks for (validated; errors label
+    /// the file `config.json`).
+    pub fn rope(&self) -> Result<crate::rope::RopeSpec, ModelError> {
+        crate::rope::rope_spec(self, Path::new("config.json"))
+    }
+
+    /// The longest context the model supports: `max_position_embeddings`,
+    /// or with YaRN scaling `factor · original_max_position_embeddings`
+    /// when larger.
+    pub fn max_context(&self) -> usize {
+        match self.rope() {
+            Ok(spec) => crate::rope::max_context(self, &spec),
+            Err(_) => self.max_position_embeddings,
+        }
     }
 
     /// Key/value heads; transformers defaults a missing value to
@@ -295,6 +431,11 @@ impl Config {
             .map(|v| ids_from_value(v).unwrap_or_default())
             .unwrap_or_default()
     }
+}
+
+/// transformers' base when a config names none.
+fn default_rope_theta() -> f64 {
+    crate::rope::DEFAULT_THETA
 }
 
 /// Token ids from a JSON int or list of ints; `None` for anything else.
@@ -461,6 +602,7 @@ mod tests {
         assert_eq!(
             Config {
                 head_dim: Some(64),
+                max_window_layers: None,
                 ..c
             },
             p,
@@ -553,8 +695,112 @@ mod tests {
 
     #[test]
     fn sliding_window_rejected() {
+        // max_window_layers 21 < 24 layers: layers 21.. would slide.
         let e = parse(&with("use_sliding_window", Some(true.into()))).unwrap_err();
+        assert!(e.to_string().contains("layers 21.."), "{e}");
         assert_eq!(field_of(e), "use_sliding_window");
+    }
+
+    /// transformers turns the window on only with `use_sliding_window` and
+    /// a `sliding_window`, and only from `max_window_layers` on (or where
+    /// `layer_types` says): a config where no layer slides runs.
+    #[test]
+    fn sliding_window_that_no_layer_reaches_runs() {
+        let mut v: serde_json::Value = serde_json::from_str(QWEN_05B).unwrap();
+        v["use_sliding_window"] = true.into();
+        v["max_window_layers"] = 24.into();
+        parse(&v.to_string()).unwrap();
+        v["sliding_window"] = serde_json::Value::Null;
+        v["max_window_layers"] = 0.into();
+        parse(&v.to_string()).unwrap();
+        let mut v: serde_json::Value = serde_json::from_str(QWEN_05B).unwrap();
+        v["use_sliding_window"] = true.into();
+        v["max_window_layers"] = 0.into();
+        let mut kinds = vec!["full_attention"; 24];
+        v["layer_types"] = serde_json::json!(kinds);
+        parse(&v.to_string()).unwrap();
+        kinds[5] = "sliding_attention";
+        v["layer_types"] = serde_json::json!(kinds);
+        let e = parse(&v.to_string()).unwrap_err();
+        assert!(e.to_string().contains("layers 5.."), "{e}");
+        assert_eq!(field_of(e), "use_sliding_window");
+        kinds[5] = "linear_attention";
+        v["layer_types"] = serde_json::json!(kinds);
+        assert_eq!(field_of(parse(&v.to_string()).unwrap_err()), "layer_types");
+    }
+
+    /// Every field that changes the maths runs as the file says or is
+    /// refused with its name and value.
+    #[test]
+    fn math_fields_are_run_or_refused_by_name() {
+        for ok in ["silu", "swish"] {
+            parse(&with("hidden_act", Some(ok.into()))).unwrap();
+        }
+        let refused: [(&str, serde_json::Value, &str); 8] = [
+            ("hidden_act", "gelu".into(), "gelu"),
+            ("hidden_act", "relu".into(), "relu"),
+            (
+                "quantization_config",
+                serde_json::json!({"quant_method": "awq", "bits": 4}),
+                "awq",
+            ),
+            (
+                "quantization_config",
+                serde_json::json!({"quant_method": "fp8"}),
+                "fp8",
+            ),
+            ("attention_bias", false.into(), "false"),
+            ("mlp_bias", true.into(), "true"),
+            ("partial_rotary_factor", 0.5.into(), "0.5"),
+            (
+                "rope_scaling",
+                serde_json::json!({"type": "linear", "factor": 2.0}),
+                "linear",
+            ),
+        ];
+        for (field, value, needle) in refused {
+            let e = parse(&with(field, Some(value.clone()))).unwrap_err();
+            let msg = e.to_string();
+            assert!(msg.contains(needle), "{field} = {value}: {msg}");
+            assert_eq!(field_of(e), field, "{field} = {value}");
+        }
+        for (field, value) in [
+            ("attention_bias", serde_json::Value::from(true)),
+            ("mlp_bias", false.into()),
+            ("partial_rotary_factor", 1.0.into()),
+            ("quantization_config", serde_json::Value::Null),
+        ] {
+            parse(&with(field, Some(value))).unwrap();
+        }
+    }
+
+    /// Qwen2.5's documented YaRN setting, in both forms transformers
+    /// writes, and a newer file with the base only inside
+    /// `rope_parameters`.
+    #[test]
+    fn yarn_in_both_forms_and_base_inside_rope_parameters() {
+        use crate::rope::RopeScaling;
+        let old = parse(&with(
+            "rope_scaling",
+            Some(serde_json::json!({"type": "yarn", "factor": 4.0,
+                "original_max_position_embeddings": 32768})),
+        ))
+        .unwrap();
+        let mut v: serde_json::Value = serde_json::from_str(QWEN_05B).unwrap();
+        v.as_object_mut().unwrap().remove("rope_theta");
+        v["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 32768, "rope_theta": 1000000.0});
+        let new = parse(&v.to_string()).unwrap();
+        assert_eq!(old.rope().unwrap(), new.rope().unwrap());
+        assert!(matches!(old.rope().unwrap().scaling, RopeScaling::Yarn(_)));
+        assert_eq!(old.max_context(), 131_072);
+        assert_eq!(parse(QWEN_05B).unwrap().max_context(), 32_768);
+        // No base anywhere: transformers' default.
+        v["rope_parameters"] = serde_json::json!({"rope_type": "default"});
+        assert_eq!(
+            parse(&v.to_string()).unwrap().rope().unwrap().theta,
+            10_000.0
+        );
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub mod error;
 pub mod fuzzing;
 pub mod inventory;
 pub mod reference;
+pub mod rope;
 pub mod small_file;
 pub mod synthetic;
 pub mod tokenizer;

@@ -161,7 +161,7 @@ impl Reference {
                 opts.capacity, opts.sequences
             )));
         }
-        let rope = Rope::new(dims.head_dim, dims.rope_theta, opts.capacity);
+        let rope = Rope::from_spec(&dims.rope, dims.head_dim, opts.capacity);
         let caches = (0..opts.sequences)
             .map(|_| KvCache::new(dims.layers, opts.capacity, dims.kv_dim(), opts.kv_bf16))
             .collect();
@@ -196,6 +196,12 @@ impl Reference {
     /// Sequence `seq`'s KV cache (panics if out of range).
     pub fn cache(&self, seq: usize) -> &KvCache {
         &self.caches[seq]
+    }
+    /// Sequence `seq`'s KV cache, writable: a test fills it with another
+    /// backend's cache to compare the steps that follow on the same
+    /// context (panics if out of range).
+    pub fn cache_mut(&mut self, seq: usize) -> &mut KvCache {
+        &mut self.caches[seq]
     }
 
     /// One decode step of sequence 0: feeds `token` at `pos` (positions

@@ -9,7 +9,11 @@
 //!   vLLM's `check_logprobs_close`: greedy ids
 //!   equal up to the first divergence, and there each side's token is in the
 //!   other's top 5. It prints how many of the 8 prompts match all 48 ids and
-//!   the largest difference of the golden top-1 token's logprob.
+//!   the largest difference of the golden top-1 token's logprob;
+//! * the same with Qwen2.5's YaRN setting in the config, against
+//!   transformers' goldens made with it, after checking the rotary
+//!   frequencies and attention factor against the ones transformers
+//!   computed.
 //!
 //! The golden files and the tokenizer files they were made with live in
 //! `tests/data/` (its README says how they were made).
@@ -41,8 +45,24 @@ struct Golden {
     text: String,
 }
 
+/// Transformers' greedy outputs on the real weights, plain rotary table.
+const PLAIN: &str = "golden/qwen2.5-coder-0.5b-instruct.jsonl";
+/// The same with Qwen2.5's documented YaRN setting ([`yarn_scaling`]).
+const YARN: &str = "golden/qwen2.5-coder-0.5b-instruct-yarn4.jsonl";
+/// The rotary frequencies and attention factor transformers computed for
+/// that setting.
+const YARN_ROPE: &str = "golden/rope-yarn4.json";
+
+fn yarn_scaling() -> serde_json::Value {
+    serde_json::json!({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+}
+
 fn goldens() -> Vec<Golden> {
-    let path = data().join("golden/qwen2.5-coder-0.5b-instruct.jsonl");
+    goldens_in(PLAIN)
+}
+
+fn goldens_in(file: &str) -> Vec<Golden> {
+    let path = data().join(file);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     text.lines()
         .filter(|l| !l.trim().is_empty())
@@ -247,6 +267,57 @@ struct Outcome {
 
 #[test]
 fn cpu_reference_matches_hf_goldens_on_real_weights() {
+    check_real_weights(PLAIN, None);
+}
+
+/// Qwen2.5's YaRN setting on the real weights: the rotary table equals
+/// transformers' number by number, and the greedy outputs follow its
+/// goldens by the same rule as the plain ones.
+#[test]
+fn cpu_reference_matches_hf_yarn_goldens_on_real_weights() {
+    let hf: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(data().join(YARN_ROPE)).unwrap()).unwrap();
+    assert_eq!(hf["rope_scaling"], yarn_scaling());
+    let mut config = qmk_model::Config::preset("0.5b").unwrap();
+    config.rope_scaling = Some(yarn_scaling());
+    let spec = config.rope().unwrap();
+    let ours = qmk_model::rope::inv_freq(&spec, config.head_dim());
+    let theirs: Vec<f64> = hf["inv_freq"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    assert_eq!(ours.len(), theirs.len());
+    for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+        // Same f32 steps; a last-bit difference of powf is allowed.
+        assert!(
+            (*a as f64 - b).abs() <= 4.0 * f32::EPSILON as f64 * b.abs(),
+            "inv_freq[{i}]: ours {a:e}, transformers {b:e}"
+        );
+    }
+    let af = hf["attention_factor"].as_f64().unwrap();
+    assert!(
+        (spec.attention_factor() - af).abs() < 1e-12,
+        "attention factor: ours {}, transformers {af}",
+        spec.attention_factor()
+    );
+    // The plain and the YaRN goldens differ, so the check below sees the
+    // scaling.
+    let (plain, yarn) = (goldens_in(PLAIN), goldens_in(YARN));
+    assert!(
+        plain
+            .iter()
+            .zip(&yarn)
+            .any(|(p, y)| p.output_ids != y.output_ids),
+        "the YaRN goldens equal the plain ones"
+    );
+    check_real_weights(YARN, Some(yarn_scaling()));
+}
+
+/// The CPU reference on the real weights (with `rope_scaling` replaced when
+/// given) against the goldens in `file`.
+fn check_real_weights(file: &str, rope_scaling: Option<serde_json::Value>) {
     let Some(dir) = std::env::var_os("QMK_REAL_QWEN").map(PathBuf::from) else {
         eprintln!(
             "SKIPPED: QMK_REAL_QWEN is not set (run scripts/fetch-real-qwen.sh and point \
@@ -255,7 +326,12 @@ fn cpu_reference_matches_hf_goldens_on_real_weights() {
         return;
     };
     let t0 = std::time::Instant::now();
-    let weights = Arc::new(qmk_model::load_weights(&dir).unwrap());
+    let mut weights = qmk_model::load_weights(&dir).unwrap();
+    if let Some(s) = rope_scaling {
+        weights.config.rope_scaling = Some(s);
+        weights.config.validate().unwrap();
+    }
+    let weights = Arc::new(weights);
     let vocab = weights.config.vocab_size;
     eprintln!("loaded {} in {:.1?}", dir.display(), t0.elapsed());
 
@@ -264,7 +340,7 @@ fn cpu_reference_matches_hf_goldens_on_real_weights() {
     // copies).
     let tok = Tokenizer::from_dir(&dir).unwrap();
     let tmpl = ChatTemplate::from_dir(&dir).unwrap();
-    let gs = goldens();
+    let gs = goldens_in(file);
     let prompts: Vec<Vec<u32>> = gs.iter().map(|g| prompt_ids(&tok, &tmpl, g)).collect();
     for (g, p) in gs.iter().zip(&prompts) {
         assert_eq!(p, &g.input_ids, "prompt `{}`", g.id);
@@ -333,7 +409,7 @@ fn cpu_reference_matches_hf_goldens_on_real_weights() {
 
     let exact = outcomes.iter().filter(|o| o.divergence.is_none()).count();
     let worst = outcomes.iter().map(|o| o.max_lp_diff).fold(0.0, f64::max);
-    eprintln!("golden report (CPU reference vs HF transformers, {steps} greedy steps):");
+    eprintln!("golden report ({file}: CPU reference vs HF transformers, {steps} greedy steps):");
     for o in &outcomes {
         eprintln!(
             "  {:<9} {} max |dlogprob(top1)| = {:.2e}  {}",

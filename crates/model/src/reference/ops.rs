@@ -13,6 +13,7 @@ use rayon::prelude::*;
 
 use super::matmul::matmul;
 use crate::error::ModelError;
+use crate::rope::{inv_freq, RopeSpec};
 use crate::{Config, Weights};
 
 /// The sizes the forward pass needs, from a validated `Config`.
@@ -34,8 +35,8 @@ pub struct Dims {
     pub vocab: usize,
     /// RMSNorm epsilon.
     pub rms_norm_eps: f32,
-    /// Rotary base.
-    pub rope_theta: f64,
+    /// Rotary embedding: base and scaling.
+    pub rope: RopeSpec,
 }
 
 impl Dims {
@@ -51,7 +52,7 @@ impl Dims {
             head_dim: config.head_dim(),
             vocab: config.vocab_size,
             rms_norm_eps: config.rms_norm_eps as f32,
-            rope_theta: config.rope_theta,
+            rope: config.rope()?,
         })
     }
     /// q_proj width, `heads · hd`.
@@ -165,7 +166,8 @@ pub fn check_weights(w: &Weights, d: &Dims) -> Result<(), ModelError> {
 }
 
 /// Rotary embedding tables, computed as transformers computes them in f32:
-/// `inv_freq[i] = 1 / theta^(2i / hd)`, angle = `pos · inv_freq[i]`.
+/// angle = `pos · inv_freq[i]` ([`crate::rope::inv_freq`]), and cos and sin
+/// multiplied by the scaling's attention factor (1 without scaling).
 #[derive(Debug, Clone)]
 pub struct Rope {
     /// Head dimension hd the tables are for.
@@ -177,23 +179,30 @@ pub struct Rope {
 }
 
 impl Rope {
-    /// Tables for `positions` positions of a `head_dim`-wide head, rotary
-    /// base `theta`.
+    /// Plain (unscaled) tables for `positions` positions of a
+    /// `head_dim`-wide head, rotary base `theta`.
     pub fn new(head_dim: usize, theta: f64, positions: usize) -> Self {
+        let spec = RopeSpec {
+            theta,
+            scaling: crate::rope::RopeScaling::None,
+        };
+        Self::from_spec(&spec, head_dim, positions)
+    }
+
+    /// Tables for `positions` positions of a `head_dim`-wide head with the
+    /// rotary embedding `spec` (base and scaling).
+    pub fn from_spec(spec: &RopeSpec, head_dim: usize, positions: usize) -> Self {
         let half = head_dim / 2;
-        // Same f32 steps as transformers' default rope init (matching its
-        // rounding keeps the oracle close to Hugging Face).
-        let inv_freq: Vec<f32> =
-            (0..half) // [hd/2]
-                .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / head_dim as f32))
-                .collect();
+        let inv_freq = inv_freq(spec, head_dim); // [hd/2]
+                                                 // transformers multiplies the f32 cos and sin by the factor.
+        let factor = spec.attention_factor() as f32;
         let mut cos = vec![0f32; positions * half];
         let mut sin = vec![0f32; positions * half];
         for p in 0..positions {
             for (i, f) in inv_freq.iter().enumerate() {
                 let angle = p as f32 * f;
-                cos[p * half + i] = angle.cos();
-                sin[p * half + i] = angle.sin();
+                cos[p * half + i] = angle.cos() * factor;
+                sin[p * half + i] = angle.sin() * factor;
             }
         }
         Self { head_dim, cos, sin }
