@@ -37,7 +37,7 @@ pub fn run(a: WriteSyntheticArgs) -> Result<()> {
     let config = Config::preset(&a.preset)?;
     let source = SyntheticSource::new(&config, a.seed)?;
     let total = qmk_model::weight_bytes(&config)?.total.0;
-    let shard = (a.shard_gb > 0.0).then(|| (a.shard_gb * 1e9) as u64);
+    let shard = (a.shard_gb > 0.0).then_some((a.shard_gb * 1e9) as u64);
     let bar = ui.bytes_bar(total, format!("writing {}", a.out.display()));
     let t = std::time::Instant::now();
     let written =
