@@ -389,13 +389,20 @@ pub(crate) mod mock {
             Ok(1)
         }
         fn name(_: usize) -> Result<String, CudaCode> {
-            Ok("mock".into())
+            Ok("mock H200".into())
         }
         fn total_mem(_: usize) -> Result<u64, CudaCode> {
             Ok(with(|s| s.capacity))
         }
-        fn attribute(_: usize, _: DeviceAttr) -> Result<i32, CudaCode> {
-            Err(NOT_SUPPORTED)
+        fn attribute(_: usize, a: DeviceAttr) -> Result<i32, CudaCode> {
+            // An H200's answers.
+            Ok(match a {
+                DeviceAttr::ComputeMajor => 9,
+                DeviceAttr::ComputeMinor => 0,
+                DeviceAttr::MultiprocessorCount => 132,
+                DeviceAttr::MaxSharedMemoryPerBlockOptin => 232_448,
+                DeviceAttr::CooperativeLaunch => 1,
+            })
         }
         fn open(_: usize) -> Result<Self, CudaCode> {
             Ok(Mock)
@@ -651,6 +658,52 @@ mod tests {
             drop(mem);
             with(|s| assert!(s.mem.is_empty()));
         }
+    }
+
+    /// The backend sizes the run from the device's free memory and refuses
+    /// a plan that does not fit with the numbers, before it compiles,
+    /// allocates or reads anything.
+    #[test]
+    fn the_backend_refuses_a_plan_that_does_not_fit_before_any_upload() {
+        let c = Config::preset("72b").unwrap();
+        let src = SyntheticSource::new(&c, 5).unwrap();
+        let h200 = 150_109_880_320u64;
+        with(|s| s.capacity = h200);
+        let opts = |capacity, fit| crate::Options {
+            capacity,
+            fit_capacity: fit,
+            ..crate::Options::default()
+        };
+        let refuse = |o| match crate::GpuBackend::<Mock>::from_source(&src, o, &mut ()) {
+            Err(e) => e,
+            Ok(_) => panic!("a plan past the device's memory was accepted"),
+        };
+        let e = refuse(opts(40_000, false));
+        let plan = crate::MemoryPlan::new(&c, 40_000, 132, Some(2048)).unwrap();
+        match &e {
+            Error::OutOfMemory {
+                what,
+                needed,
+                available,
+            } => {
+                assert_eq!((*needed, *available), (plan.total_bytes, h200));
+                assert!(what.contains("40000-position KV cache"), "{what}");
+                assert!(
+                    what.contains(&format!("{} B weights", plan.weight_bytes)),
+                    "{what}"
+                );
+            }
+            e => panic!("{e}"),
+        }
+        // With the fit, a device that cannot hold the weights is refused too.
+        with(|s| s.capacity = 100_000_000_000);
+        let e = refuse(opts(32768, true));
+        assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
+        assert!(e.to_string().contains("a KV cache of one position"), "{e}");
+        with(|s| {
+            assert!(s.mem.is_empty() && s.copies.is_empty());
+            assert_eq!(s.pinned_allocs, 0, "a staging buffer before the check");
+        });
     }
 
     /// A source that fails on its `fail_at`-th read.
