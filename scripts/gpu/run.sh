@@ -18,6 +18,16 @@
 #   bench       qwen-mk bench: decode 0.5B / 7B / 14B (short context), 7B at
 #               8,192 and 32,768 positions, both drivers at 0.5B and 7B
 #   prefill     qwen-mk bench --prefill: 0.5B and 7B at 512 and 2,048 tokens
+#   upload      the streamed weight upload: bench 0.5B / 14B / 32B / 72B
+#               (synthetic weights streamed through the pinned ring; 72B also
+#               at 4,096 positions) with upload GB/s and peak RSS (VmHWM) in
+#               the summary
+#   file14b     the file path at 14B: write-synthetic a 14B checkpoint to
+#               $SYNTH_DIR (default /tmp/qmk-synth-14b, 29.5 GB), bench
+#               --model it (page cache dropped first where allowed, then
+#               warm), delete it
+#   compile     kernel compile alongside the upload, cold (empty cubin cache)
+#               then warm, 0.5B and 7B
 #   ab          baseline vs this build, interleaved in rounds, decode and
 #               prefill (needs BASE at build time)
 #   hf          Hugging Face transformers eager on the same shapes
@@ -112,7 +122,7 @@ run_tests() {
 bench() {
   local name=$1 bin=$2; shift 2
   local t=$SECONDS
-  timeout -k 5 300 "$BIN/$bin" bench --json "$@" > "$LOG/bench-$name.json" 2> "$LOG/bench-$name.err"
+  timeout -k 5 "${BENCH_LIMIT:-300}" "$BIN/$bin" bench --json "$@" > "$LOG/bench-$name.json" 2> "$LOG/bench-$name.err"
   local rc=$?
   python3 - "$name" "$LOG/bench-$name.json" >> "$LOG/bench.jsonl" <<'EOF'
 import json, sys
@@ -129,7 +139,9 @@ for line in open(sys.argv[1]):
     line = line.strip()
     if not line.startswith("{"): continue
     o = json.loads(line)
-    keys = ["tok_per_s", "us_per_step", "pct_of_floor", "prefill_ms", "ttft_ms", "median_ms", "context"]
+    keys = ["tok_per_s", "us_per_step", "pct_of_floor", "prefill_ms", "ttft_ms", "median_ms", "context",
+            "upload_gbps", "upload_read_s", "upload_wait_s", "compile_s"]
+    if o.get("peak_rss_bytes"): o["peak_rss_gib"] = o["peak_rss_bytes"] / 2**30; keys.append("peak_rss_gib")
     out.append(" ".join(f"{k}={o[k]:.4g}" if isinstance(o[k], float) else f"{k}={o[k]}" for k in keys if k in o))
 print(" | ".join(out)[:400])
 EOF
@@ -167,6 +179,25 @@ for step in $STEPS; do
     prefill)
       for p in 0.5b 7b; do
         for n in 512 2048; do bench "prefill-$p-$n" qwen-mk --preset $p --prefill $n --prefill-chunk $n; done
+      done ;;
+    upload)
+      for p in 0.5b 14b 32b 72b; do bench "upload-$p" qwen-mk --preset $p --steps 64; done
+      BENCH_LIMIT=450 bench upload-72b-4096 qwen-mk --preset 72b --context 4096 --steps 64 ;;
+    file14b)
+      D=${SYNTH_DIR:-/tmp/qmk-synth-14b}
+      t=$SECONDS
+      timeout -k 5 900 "$BIN/qwen-mk" write-synthetic --preset 14b --out "$D" -q > "$LOG/write-14b.log" 2>&1
+      note "write-synthetic 14b rc=$? $(( SECONDS - t ))s: $(du -sh "$D" 2>/dev/null | cut -f1)"
+      sync; if echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then c=cold; else c=cache-kept; fi
+      BENCH_LIMIT=600 bench "file14b-$c" qwen-mk --model "$D" --steps 64
+      bench file14b-warm qwen-mk --model "$D" --steps 64
+      rm -rf "$D" ;;
+    compile)
+      for p in 0.5b 7b; do
+        C=$(mktemp -d)
+        QMK_CACHE_DIR=$C bench "compile-cold-$p" qwen-mk --preset $p --steps 16
+        QMK_CACHE_DIR=$C bench "compile-warm-$p" qwen-mk --preset $p --steps 16
+        rm -rf "$C"
       done ;;
     ab)
       [[ -x $BIN/base-qwen-mk ]] || { note "FAIL ab: no baseline binary (BASE at build time)"; continue; }

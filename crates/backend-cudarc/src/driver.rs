@@ -340,6 +340,11 @@ impl Driver for CudarcDriver {
         }
     }
 
+    fn event_synchronize(&self, event: &Event) -> Result<(), CudaCode> {
+        // SAFETY: a live event.
+        check(unsafe { sys::cuEventSynchronize(event.0) })
+    }
+
     fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f32, CudaCode> {
         // SAFETY: both events recorded and complete.
         unsafe { result::event::elapsed(start.0, end.0) }.map_err(code)

@@ -315,6 +315,10 @@ impl Driver for CustDriver {
         }
     }
 
+    fn event_synchronize(&self, event: &Event) -> Result<(), CudaCode> {
+        event.synchronize().map_err(code)
+    }
+
     fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f32, CudaCode> {
         end.elapsed_time_f32(start).map_err(code)
     }

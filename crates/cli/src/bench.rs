@@ -3,19 +3,37 @@
 //! run (`docs/performance.md`), or time to first token (`--prefill N`).
 //! `--json` prints one JSON object per context (`--context 0,8192,32768`
 //! runs each in the same process, one upload). Both drivers run the same
-//! [`GpuBackend`].
+//! [`GpuBackend`]. Every report also gives the weight upload's rate, the
+//! kernel compile time and the process's peak resident memory (VmHWM).
+//! The weights are generated piece by piece into the upload's pinned
+//! buffers, or read from a checkpoint directory (`--model`).
+
+use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use qmk_gpu::stats::median;
-use qmk_gpu::{BenchOptions, BenchReport, Driver, GpuBackend, LaunchInfo, Options, Progress};
-use qmk_model::{synthetic_weights, Config, Weights};
+use qmk_gpu::{
+    BenchOptions, BenchReport, Driver, GpuBackend, LaunchInfo, Options, Progress, UploadOptions,
+    WeightSource,
+};
+use qmk_model::{CheckpointSource, Config, SyntheticSource};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// Model shape: 0.5b, 1.5b, 3b, 7b, 14b, 32b, 72b (synthetic weights).
     #[arg(long, default_value = "7b")]
     preset: String,
+    /// Read the weights from this checkpoint directory instead (config.json
+    /// and safetensors; e.g. one written by `qwen-mk write-synthetic`).
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// Pinned staging buffers of the weight upload.
+    #[arg(long, default_value_t = qmk_gpu::upload::DEFAULT_UPLOAD_BUFFERS)]
+    upload_buffers: usize,
+    /// MiB of each staging buffer.
+    #[arg(long, default_value_t = qmk_gpu::upload::DEFAULT_UPLOAD_BUFFER_BYTES >> 20)]
+    upload_buffer_mib: usize,
     /// GPU backend: cudarc, or cust (a build with `--features cust`).
     #[arg(long, default_value = "cudarc")]
     backend: String,
@@ -110,8 +128,15 @@ impl Progress for Bar {
         }
     }
     fn finish(&mut self) {
-        if let Some(b) = self.0.take() {
+        if let Some(b) = &self.0 {
             b.finish_and_clear();
+        }
+    }
+    fn step(&mut self, what: &str) {
+        if let Some(b) = &self.0 {
+            b.reset();
+            b.set_length(0);
+            b.set_message(what.to_string());
         }
     }
 }
@@ -148,7 +173,6 @@ pub fn run(a: BenchArgs) -> Result<()> {
         ),
         other => bail!("bench supports --backend cudarc or cust (got `{other}`)"),
     };
-    let config = Config::preset(&a.preset)?;
     let say = |s: String| {
         if !a.json {
             eprintln!("{s}");
@@ -159,39 +183,155 @@ pub fn run(a: BenchArgs) -> Result<()> {
         None => bench_capacity(&a)?,
     };
     let prefill_chunk = a.prefill.map(|n| a.prefill_chunk.min(n.max(1) as u32));
-    // Before generating 100+ GB of weights: refuse what cannot fit.
+    // Weights from the files, or generated piece by piece during the upload.
+    let source: Box<dyn WeightSource> = match &a.model {
+        Some(dir) => {
+            say(format!("streaming the weights of {}", dir.display()));
+            Box::new(
+                CheckpointSource::open(dir)
+                    .with_context(|| format!("bench --model {}", dir.display()))?,
+            )
+        }
+        None => {
+            say(format!(
+                "streaming synthetic {} weights (seed {})",
+                a.preset, a.seed
+            ));
+            Box::new(SyntheticSource::new(&Config::preset(&a.preset)?, a.seed)?)
+        }
+    };
+    // Before uploading 100+ GB of weights: refuse what cannot fit.
     let gpu = crate::gpu::probe()?;
-    crate::gpu::check_fits(
-        &config,
-        capacity,
-        prefill_chunk,
-        &gpu,
-        crate::common::available_memory(),
-    )
-    .with_context(|| format!("bench --preset {}", a.preset))?;
-    say(format!(
-        "generating synthetic {} weights (seed {})",
-        a.preset, a.seed
-    ));
-    let weights = synthetic_weights(&config, a.seed);
+    crate::gpu::check_fits(source.config(), capacity, prefill_chunk, &gpu)
+        .with_context(|| format!("bench {}", a.label()))?;
     let opts = Options {
         device: a.device,
         capacity,
         cubin: a.cubin.clone(),
         ctas_per_sm: a.ctas_per_sm,
         prefill_chunk,
+        upload: UploadOptions {
+            buffers: a.upload_buffers,
+            buffer_bytes: a.upload_buffer_mib.saturating_mul(1 << 20),
+        },
         ..Options::default()
     };
     #[cfg(feature = "cust")]
     if cust {
-        return run_on::<qmk_backend_cust::CustDriver>(&a, weights, opts);
+        return run_on::<qmk_backend_cust::CustDriver>(&a, source.as_ref(), opts);
     }
     debug_assert!(!cust);
-    run_on::<qmk_backend_cudarc::CudarcDriver>(&a, weights, opts)
+    run_on::<qmk_backend_cudarc::CudarcDriver>(&a, source.as_ref(), opts)
 }
 
-/// Uploads `weights` through driver `D` and runs the bench `a` asks for.
-fn run_on<D: Driver>(a: &BenchArgs, weights: Weights, opts: Options) -> Result<()> {
+impl BenchArgs {
+    /// The model's name in reports: the preset, or the checkpoint
+    /// directory's name.
+    fn name(&self) -> String {
+        match &self.model {
+            Some(d) => d
+                .file_name()
+                .map_or_else(|| d.display().to_string(), |n| n.to_string_lossy().into()),
+            None => self.preset.clone(),
+        }
+    }
+
+    /// What the weights are: `--preset 7b` or `--model DIR`.
+    fn label(&self) -> String {
+        match &self.model {
+            Some(d) => format!("--model {}", d.display()),
+            None => format!("--preset {}", self.preset),
+        }
+    }
+}
+
+/// How the engine was set up: the weight upload, the kernel compile, and
+/// the process's peak resident memory so far.
+#[derive(Debug, Clone, PartialEq)]
+struct Load {
+    /// Where the weights came from: `synthetic` or the checkpoint directory.
+    weights: String,
+    upload: qmk_gpu::UploadStats,
+    compile_s: f64,
+    /// VmHWM, bytes (None where /proc is absent).
+    peak_rss: Option<u64>,
+}
+
+impl Load {
+    fn of<D: Driver>(a: &BenchArgs, b: &GpuBackend<D>) -> Load {
+        Load {
+            weights: a
+                .model
+                .as_ref()
+                .map_or("synthetic".into(), |d| d.display().to_string()),
+            upload: b.upload_report(),
+            compile_s: b.compile_time().as_secs_f64(),
+            peak_rss: peak_rss_bytes(),
+        }
+    }
+
+    /// The JSON fields of every report.
+    fn json(&self, v: &mut serde_json::Value) {
+        let u = &self.upload;
+        let fields = serde_json::json!({
+            "weights": self.weights,
+            "upload_bytes": u.bytes,
+            "upload_s": u.time.as_secs_f64(),
+            "upload_gbps": u.gbps(),
+            "upload_read_s": u.read_time.as_secs_f64(),
+            "upload_wait_s": u.wait_time.as_secs_f64(),
+            "upload_buffers": u.buffers,
+            "upload_buffer_bytes": u.buffer_bytes,
+            "compile_s": self.compile_s,
+            "peak_rss_bytes": self.peak_rss,
+        });
+        if let (Some(obj), serde_json::Value::Object(add)) = (v.as_object_mut(), fields) {
+            obj.extend(add);
+        }
+    }
+
+    /// The text lines of every report.
+    fn print(&self) {
+        let u = &self.upload;
+        println!(
+            "  upload         {:>10.2} GB/s  ({:.2} GB in {:.2} s: host reading {:.2} s, waiting on \
+             copies {:.2} s; {} pinned buffers of {} MiB)",
+            u.gbps(),
+            u.bytes as f64 / 1e9,
+            u.time.as_secs_f64(),
+            u.read_time.as_secs_f64(),
+            u.wait_time.as_secs_f64(),
+            u.buffers,
+            u.buffer_bytes >> 20
+        );
+        println!(
+            "  compile        {:>10.2} s     (alongside the upload; from {})",
+            self.compile_s, self.weights
+        );
+        if let Some(r) = self.peak_rss {
+            println!(
+                "  peak RSS       {:>10.2} GiB  (VmHWM, {r} bytes)",
+                r as f64 / (1u64 << 30) as f64
+            );
+        }
+    }
+}
+
+/// The process's peak resident set (VmHWM in /proc/self/status), bytes.
+fn peak_rss_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    parse_vm_hwm(&text)
+}
+
+fn parse_vm_hwm(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Streams the weights of `source` through driver `D` and runs the bench
+/// `a` asks for.
+fn run_on<D: Driver>(a: &BenchArgs, source: &dyn WeightSource, opts: Options) -> Result<()> {
     let bar = if a.json {
         None
     } else {
@@ -202,9 +342,8 @@ fn run_on<D: Driver>(a: &BenchArgs, weights: Weights, opts: Options) -> Result<(
         );
         Some(b)
     };
-    let mut backend = GpuBackend::<D>::new(&weights, opts, &mut Bar(bar))
-        .with_context(|| format!("setting up the {} backend for {}", D::NAME, a.preset))?;
-    drop(weights);
+    let mut backend = GpuBackend::<D>::from_source(source, opts, &mut Bar(bar))
+        .with_context(|| format!("setting up the {} backend for {}", D::NAME, a.label()))?;
     match a.prefill {
         Some(n) => prefill(a, &mut backend, n),
         None => decode(a, &mut backend),
@@ -216,7 +355,7 @@ fn decode<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>) -> Result<()> {
     for &context in &a.context {
         let r = backend
             .bench(&bench_options(a, context, a.stream_gib << 30))
-            .with_context(|| format!("bench --preset {} --context {context}", a.preset))?;
+            .with_context(|| format!("bench {} --context {context}", a.label()))?;
         let l = backend.launch_info();
         let profile = if a.profile {
             let mut o = bench_options(a, context, 0);
@@ -225,7 +364,7 @@ fn decode<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>) -> Result<()> {
         } else {
             Vec::new()
         };
-        print_report(a, &r, &l, &profile);
+        print_report(a, &r, &l, &profile, &Load::of(a, backend));
     }
     Ok(())
 }
@@ -236,9 +375,10 @@ fn report_json(
     r: &BenchReport,
     l: &LaunchInfo,
     profile: &[(String, f64)],
+    load: &Load,
 ) -> serde_json::Value {
-    serde_json::json!({
-        "preset": a.preset,
+    let mut v = serde_json::json!({
+        "preset": a.name(),
         "backend": a.backend,
         "device": r.device,
         "tok_per_s": r.tok_per_s,
@@ -263,17 +403,25 @@ fn report_json(
         "steps": r.steps,
         "profile_steps": if profile.is_empty() { 0 } else { a.profile_steps.clamp(1, a.steps.max(1)) },
         "profile_us": profile.iter().map(|(k, v)| (k.clone(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
-    })
+    });
+    load.json(&mut v);
+    v
 }
 
-fn print_report(a: &BenchArgs, r: &BenchReport, l: &LaunchInfo, profile: &[(String, f64)]) {
+fn print_report(
+    a: &BenchArgs,
+    r: &BenchReport,
+    l: &LaunchInfo,
+    profile: &[(String, f64)],
+    load: &Load,
+) {
     if a.json {
-        println!("{}", report_json(a, r, l, profile));
+        println!("{}", report_json(a, r, l, profile, load));
         return;
     }
     println!(
         "{} on {} ({}), synthetic weights, context {} (timed positions {}..{}), flags {}",
-        a.preset,
+        a.name(),
         r.device,
         a.backend,
         r.context,
@@ -306,6 +454,7 @@ fn print_report(a: &BenchArgs, r: &BenchReport, l: &LaunchInfo, profile: &[(Stri
         "  barriers/step  {:>10}  grid {} x {} threads, {} regs, {} B smem",
         r.barriers_per_step, r.grid, l.block, r.registers, l.smem_bytes
     );
+    load.print();
 }
 
 /// Prefill phases in skip-bit order (`qmk_prefill_chunk`, kernels/cuda/prefill.cuh).
@@ -333,7 +482,7 @@ fn prefill<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>, n: usize) -> R
     backend.set_kernel_flags(a.kernel_flags, true);
     let r = backend
         .bench_prefill(&tokens, a.prefill_reps)
-        .with_context(|| format!("bench --prefill {n} --preset {}", a.preset))?;
+        .with_context(|| format!("bench --prefill {n} {}", a.label()))?;
     // --profile: the same prefill with one phase skipped at a time (every
     // barrier kept; the results are garbage); full - skipped is the phase.
     // Then every phase skipped ("rest") and the GEMM A/B flags (absolute).
@@ -392,7 +541,7 @@ fn prefill<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>, n: usize) -> R
         .find(|x| x.function == qmk_kernels::source::entry::PREFILL_CHUNK);
     if a.json {
         let v = serde_json::json!({
-            "preset": a.preset,
+            "preset": a.name(),
             "backend": a.backend,
             "device": r.device,
             "profile_ms": profile.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
@@ -413,11 +562,18 @@ fn prefill<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>, n: usize) -> R
             "spill_stores": pf.as_ref().map(|x| x.spill_stores),
             "spill_loads": pf.as_ref().map(|x| x.spill_loads),
         });
+        let mut v = v;
+        Load::of(a, backend).json(&mut v);
         println!("{v}");
     } else {
         println!(
             "{} on {} ({}), synthetic weights, prefill of {} tokens in chunks of {} ({} launches)",
-            a.preset, r.device, a.backend, r.tokens, r.chunk, r.launches
+            a.name(),
+            r.device,
+            a.backend,
+            r.tokens,
+            r.chunk,
+            r.launches
         );
         println!(
             "  time to first token {:>10.3} ms  (p10 {:.3}, p90 {:.3}, median of {})",
@@ -448,6 +604,7 @@ fn prefill<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>, n: usize) -> R
                 rounds.join(" ")
             );
         }
+        Load::of(a, backend).print();
     }
     Ok(())
 }
@@ -467,6 +624,20 @@ mod tests {
         T::try_parse_from(std::iter::once("bench").chain(args.iter().copied()))
             .unwrap()
             .a
+    }
+
+    #[test]
+    fn peak_rss_is_read_from_vm_hwm() {
+        let status = "Name:\tqwen-mk\nVmPeak:\t 9000 kB\nVmHWM:\t  204800 kB\nVmRSS:\t 100 kB\n";
+        assert_eq!(parse_vm_hwm(status), Some(200 << 20));
+        assert_eq!(parse_vm_hwm("VmRSS: 1 kB"), None);
+        // This process has one (Linux).
+        if cfg!(target_os = "linux") {
+            assert!(peak_rss_bytes().is_some_and(|b| b > 0));
+        }
+        let a = parse(&["--upload-buffers", "4", "--upload-buffer-mib", "32"]);
+        assert_eq!((a.upload_buffers, a.upload_buffer_mib), (4, 32));
+        assert_eq!(parse(&[]).upload_buffers, 3);
     }
 
     #[test]
@@ -522,7 +693,23 @@ mod tests {
         let kv = qmk_gpu::stats::bench_kv_bytes(&config, 8192, 200);
         assert_eq!(r.kv_bytes, kv);
         assert_eq!(r.bytes_per_step, 1_000_000 + kv);
-        let v = report_json(&a, &r, &launch, &[("full".into(), 250.0)]);
+        let load = Load {
+            weights: "synthetic".into(),
+            upload: qmk_gpu::UploadStats {
+                bytes: 2_000_000_000,
+                time: std::time::Duration::from_millis(250),
+                buffers: 3,
+                buffer_bytes: 64 << 20,
+                ..Default::default()
+            },
+            compile_s: 1.5,
+            peak_rss: Some(300 << 20),
+        };
+        let v = report_json(&a, &r, &launch, &[("full".into(), 250.0)], &load);
+        assert_eq!(v["upload_gbps"], 8.0);
+        assert_eq!(v["peak_rss_bytes"], 300u64 << 20);
+        assert_eq!(v["upload_buffers"], 3);
+        assert_eq!(v["weights"], "synthetic");
         assert_eq!(v["context"], 8192);
         assert_eq!(v["kv_bytes"], kv);
         assert_eq!(v["first_timed_pos"], 8192);

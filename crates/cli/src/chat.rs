@@ -56,6 +56,8 @@ fn run_inner(args: ChatArgs) -> Result<()> {
         None => model_max.min(DEFAULT_CONTEXT),
     };
     let backend = open_backend(&model, target, &args.run, capacity, &ui)?;
+    // A GPU backend without --context takes the largest context that fits.
+    let capacity = backend.capacity();
     let backend_name = backend.kind().name();
     let mut engine = Engine::new(backend, model.config.vocab_size);
     let base_opts = args.sampling.options(model.stop_ids())?;

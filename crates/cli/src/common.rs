@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, ValueEnum};
-use qmk_engine::{BackendKind, EngineError, GenerateOptions, Generation, Sampling};
+use qmk_engine::{Backend, BackendKind, EngineError, GenerateOptions, Generation, Sampling};
 use qmk_model::chat::{ChatTemplate, Message};
 use qmk_model::config::GenerationConfig;
 use qmk_model::tokenizer::Tokenizer;
@@ -52,8 +52,9 @@ pub struct RunArgs {
     pub backend: BackendChoice,
 
     /// KV-cache capacity in positions (prompt plus generated tokens).
-    /// Default: what the request needs (generate) or min(max_position_embeddings,
-    /// 8192) (chat).
+    /// Default on a GPU: the largest that fits its free memory, up to
+    /// max_position_embeddings; on the CPU: what the request needs
+    /// (generate) or min(max_position_embeddings, 8192) (chat).
     #[arg(long, value_name = "POSITIONS")]
     pub context: Option<usize>,
 
@@ -191,6 +192,15 @@ impl Model {
         Ok(self.tokenizer.encode(&text)?)
     }
 
+    /// Opens the checkpoint for streaming (every tensor checked, nothing
+    /// read), with a spinner.
+    pub fn weight_source(&self, ui: &Ui) -> Result<qmk_model::CheckpointSource> {
+        let bar = ui.spinner(format!("checking the weights in {}", self.dir.display()));
+        let s = qmk_model::CheckpointSource::open(&self.dir);
+        bar.finish_and_clear();
+        Ok(s?)
+    }
+
     /// Loads the weights (bf16, stacked), with a spinner.
     pub fn load_weights(&self, ui: &Ui) -> Result<Arc<Weights>> {
         let bar = ui.spinner(format!("loading weights from {}", self.dir.display()));
@@ -275,6 +285,27 @@ pub fn plan_context(
     Ok((capacity.max(1), new))
 }
 
+/// New tokens a `prompt_len`-token request for `max_new` gets in a KV
+/// cache of `capacity` positions (the last generated token is never fed
+/// back); a prompt that does not fit is an error.
+pub fn fit_request(prompt_len: usize, max_new: usize, capacity: usize, ui: &Ui) -> Result<usize> {
+    if prompt_len > capacity {
+        bail!(
+            "prompt too long: {prompt_len} tokens do not fit in the {capacity}-position context \
+             that fits the device"
+        );
+    }
+    let room = capacity - prompt_len + 1;
+    if max_new > room {
+        ui.note(format!(
+            "note: only {room} new tokens fit after the {prompt_len}-token prompt (context \
+             {capacity}); generating at most {room}"
+        ));
+        return Ok(room);
+    }
+    Ok(max_new)
+}
+
 /// Estimated host memory of the CPU backend: bf16 weights, an f32 KV cache
 /// and the rotary tables.
 pub fn cpu_bytes(config: &Config, capacity: usize) -> (u128, u128) {
@@ -345,9 +376,15 @@ pub fn choose_target(choice: BackendChoice, ui: &Ui) -> Result<Target> {
     }
 }
 
-/// Loads the weights and builds the backend for `target`, with a KV cache of
-/// `capacity` positions. With `--backend auto`, a GPU backend that cannot
-/// start (other than for lack of memory) falls back to the CPU, saying so.
+/// Builds the backend for `target` with a KV cache of `capacity`
+/// positions. A GPU backend streams the weights from the checkpoint's files
+/// to the device (host memory stays at a few pinned buffers); without
+/// `--context` it takes the largest context the device's free memory holds,
+/// up to the model's maximum, and says so in one line (`capacity`, what the
+/// request needs, is then only the minimum checked up front). The CPU
+/// backend loads the weights into host memory. With `--backend auto`, a GPU
+/// backend that cannot start (other than for lack of memory) falls back to
+/// the CPU, saying so.
 pub fn open_backend(
     model: &Model,
     target: Target,
@@ -361,51 +398,60 @@ pub fn open_backend(
             bail!("--cubin {}: no such file", c.display());
         }
     }
-    if let Target::Cpu = target {
-        check_cpu_memory(&model.config, capacity)?;
-    }
-    if let Target::Gpu(kind, info) = &target {
-        // Before loading anything: a model that cannot fit is refused here.
-        let chunk = (!run.no_batched_prefill).then_some(run.prefill_chunk);
-        gpu::check_fits(&model.config, capacity, chunk, info, None)
-            .map_err(|e| anyhow!("--backend {}: {e}", kind.name()))?;
-    }
-    let weights = model.load_weights(ui)?;
-    match target {
-        Target::Cpu => cpu_backend(weights, capacity),
-        Target::Gpu(kind, info) => {
-            match gpu::open(
-                kind,
-                &info,
-                &weights,
-                capacity,
-                run.cubin.as_deref(),
-                (!run.no_batched_prefill).then_some(run.prefill_chunk),
-                ui,
-            ) {
-                Ok(b) => {
-                    ui.note(format!(
-                        "using the {} backend on {}",
-                        kind.name(),
-                        info.name
-                    ));
-                    Ok(b)
-                }
-                Err(e @ GpuError::OutOfMemory { .. }) => {
-                    Err(anyhow!("--backend {}: {e}", kind.name()))
-                }
-                Err(e) if auto => {
-                    ui.note(format!(
-                    "the {} backend cannot run on {} ({e}); using the CPU reference backend (slow)",
-                    kind.name(),
+    let (kind, info) = match target {
+        Target::Cpu => {
+            check_cpu_memory(&model.config, capacity)?;
+            return cpu_backend(model.load_weights(ui)?, capacity);
+        }
+        Target::Gpu(kind, info) => (kind, info),
+    };
+    // Before reading anything: a model that cannot fit is refused here.
+    let chunk = (!run.no_batched_prefill).then_some(run.prefill_chunk);
+    gpu::check_fits(&model.config, capacity, chunk, &info)
+        .map_err(|e| anyhow!("--backend {}: {e}", kind.name()))?;
+    let source = model.weight_source(ui)?;
+    let fit = run.context.is_none();
+    let max = model.config.max_context();
+    let asked = if fit { max.max(capacity) } else { capacity };
+    let gpu_backend = gpu::open(
+        kind,
+        &info,
+        &source,
+        asked,
+        fit,
+        run.cubin.as_deref(),
+        chunk,
+        ui,
+    );
+    drop(source);
+    match gpu_backend {
+        Ok(b) => {
+            ui.note(format!(
+                "using the {} backend on {}",
+                kind.name(),
+                info.name
+            ));
+            if fit {
+                ui.note(format!(
+                    "context: {} positions, the largest that fits the free memory of {} (model \
+                     maximum {max}; --context sets it)",
+                    b.capacity(),
                     info.name
                 ));
-                    check_cpu_memory(&model.config, capacity)?;
-                    cpu_backend(weights, capacity)
-                }
-                Err(e) => Err(anyhow!("--backend {}: {e}", kind.name())),
             }
+            Ok(b)
         }
+        Err(e @ GpuError::OutOfMemory { .. }) => Err(anyhow!("--backend {}: {e}", kind.name())),
+        Err(e) if auto => {
+            ui.note(format!(
+                "the {} backend cannot run on {} ({e}); using the CPU reference backend (slow)",
+                kind.name(),
+                info.name
+            ));
+            check_cpu_memory(&model.config, capacity)?;
+            cpu_backend(model.load_weights(ui)?, capacity)
+        }
+        Err(e) => Err(anyhow!("--backend {}: {e}", kind.name())),
     }
 }
 

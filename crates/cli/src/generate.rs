@@ -9,8 +9,8 @@ use qmk_engine::{Backend, Engine, StopReason};
 use qmk_model::chat::Message;
 
 use crate::common::{
-    choose_target, engine_error, open_backend, plan_context, stats_line, Model, ModelArgs, RunArgs,
-    SamplingArgs,
+    choose_target, engine_error, fit_request, open_backend, plan_context, stats_line, Model,
+    ModelArgs, RunArgs, SamplingArgs,
 };
 use crate::ui::Ui;
 
@@ -86,12 +86,14 @@ fn run_inner(args: GenerateArgs) -> Result<()> {
         &ui,
     )?;
     let mut opts = args.sampling.options(model.stop_ids())?;
-    opts.max_new_tokens = max_new;
     if opts.stop_ids.is_empty() && !opts.ignore_eos {
         ui.note("note: the model names no end-of-text token; generating until --max-new-tokens");
     }
 
     let mut backend = open_backend(&model, target, &args.run, capacity, &ui)?;
+    // A GPU backend may have picked a context other than `capacity` (the
+    // largest that fits): the request must fit that one.
+    opts.max_new_tokens = fit_request(prompt_ids.len(), max_new, backend.capacity(), &ui)?;
     let backend_name = backend.kind().name();
     if args.top_logprobs > 0 {
         backend.record_top_logprobs(args.top_logprobs, prompt_ids.len());

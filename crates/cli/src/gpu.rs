@@ -3,15 +3,14 @@
 //! [`probe`] asks the CUDA driver (loaded at run time, so this works on
 //! machines without CUDA) whether a device exists. [`check_fits`] sizes the
 //! run with the backend's own memory plan before anything is loaded.
-//! [`open`] builds a GPU backend; it is the single place where the cudarc
-//! and cust drivers are wired into the CLI.
+//! [`open`] builds a GPU backend, streaming the weights from any source; it
+//! is the single place where the cudarc and cust drivers are wired into the
+//! CLI.
 
 use std::path::Path;
-use std::sync::Arc;
 
 use qmk_engine::BackendKind;
-use qmk_gpu::{Driver, GpuBackend, MemoryPlan, Options};
-use qmk_model::Weights;
+use qmk_gpu::{Driver, GpuBackend, MemoryPlan, Options, WeightSource};
 
 use crate::backend::AnyBackend;
 use crate::ui::Ui;
@@ -68,34 +67,37 @@ pub fn probe() -> Result<GpuInfo, GpuError> {
     }
 }
 
-/// Builds the GPU backend `kind` over `weights` with a KV cache of
-/// `capacity` positions (loading `cubin` instead of compiling when given),
-/// showing kernel compilation (a spinner) and the weight upload (a byte
-/// bar) through `ui`. The backend refuses, before its first allocation, a
-/// memory plan the device cannot hold. `prefill_chunk`: positions per
-/// launch of the tensor-core prefill kernel (`None`: decode steps for the
-/// prompt).
+/// Builds the GPU backend `kind` over the weights of `source` (streamed to
+/// the device) with a KV cache of `capacity` positions, or with `fit` the
+/// largest context up to `capacity` that the device's free memory holds
+/// (loading `cubin` instead of compiling when given), showing the weight
+/// upload (a byte bar) and the kernel compile (alongside it, then a
+/// spinner) through `ui`. The backend refuses, before its first
+/// allocation, a memory plan the device cannot hold. `prefill_chunk`:
+/// positions per launch of the tensor-core prefill kernel (`None`: decode
+/// steps for the prompt).
+#[allow(clippy::too_many_arguments)]
 pub fn open(
     kind: BackendKind,
     gpu: &GpuInfo,
-    weights: &Arc<Weights>,
+    source: &dyn WeightSource,
     capacity: usize,
+    fit: bool,
     cubin: Option<&Path>,
     prefill_chunk: Option<u32>,
     ui: &Ui,
 ) -> Result<AnyBackend, GpuError> {
     let opts = Options {
         capacity,
+        fit_capacity: fit,
         cubin: cubin.map(Path::to_path_buf),
         prefill_chunk,
         ..Default::default()
     };
     match kind {
-        BackendKind::Cudarc => {
-            open_with::<qmk_backend_cudarc::CudarcDriver>(gpu, weights, opts, ui)
-        }
+        BackendKind::Cudarc => open_with::<qmk_backend_cudarc::CudarcDriver>(gpu, source, opts, ui),
         #[cfg(feature = "cust")]
-        BackendKind::Cust => open_with::<qmk_backend_cust::CustDriver>(gpu, weights, opts, ui),
+        BackendKind::Cust => open_with::<qmk_backend_cust::CustDriver>(gpu, source, opts, ui),
         #[cfg(not(feature = "cust"))]
         BackendKind::Cust => Err(GpuError::NoCustFeature),
         BackendKind::Cpu => Err(GpuError::Other(
@@ -106,12 +108,12 @@ pub fn open(
 
 fn open_with<D: Driver + 'static>(
     gpu: &GpuInfo,
-    weights: &Weights,
+    source: &dyn WeightSource,
     opts: Options,
     ui: &Ui,
 ) -> Result<AnyBackend, GpuError> {
     let mut bars = Bars::new(ui);
-    let made = GpuBackend::<D>::new(weights, opts, &mut bars);
+    let made = GpuBackend::<D>::from_source(source, opts, &mut bars);
     bars.done();
     match made {
         Ok(b) => Ok(AnyBackend::new(b)),
@@ -131,20 +133,20 @@ fn open_with<D: Driver + 'static>(
 
 const GIB: f64 = (1u64 << 30) as f64;
 
-/// Refuses, before any weight is loaded, generated or uploaded, a model
+/// Refuses, before any weight is read, generated or uploaded, a model
 /// whose memory plan (weights, a KV cache of `capacity` positions, the
 /// scratch, the prefill kernel's scratch for `prefill_chunk`) cannot fit the
-/// device (`gpu.total_mem`, an upper bound of what a context can allocate),
-/// or whose weights cannot be staged in host memory (`host_available`).
+/// device (`gpu.total_mem`, an upper bound of what a context can allocate).
 /// The plan is the backend's own ([`MemoryPlan::new`]) for a grid of one
 /// CTA per SM (the grid-sized scratch is a few MB, so the occupancy barely
-/// moves the total). The message gives the bytes needed and available.
+/// moves the total). The message gives the bytes needed and available. The
+/// weights stream to the device through a few pinned buffers, so host
+/// memory is no limit.
 pub fn check_fits(
     config: &qmk_model::Config,
     capacity: usize,
     prefill_chunk: Option<u32>,
     gpu: &GpuInfo,
-    host_available: Option<u128>,
 ) -> Result<(), GpuError> {
     let cap = u32::try_from(capacity)
         .map_err(|_| GpuError::Other(format!("a context of {capacity} positions is too long")))?;
@@ -166,22 +168,11 @@ pub fn check_fits(
             place: "device memory",
         });
     }
-    if let Some(avail) = host_available {
-        if weights > avail {
-            return Err(GpuError::DoesNotFit {
-                device: gpu.name.clone(),
-                what: "staging the weights in host memory before the upload".into(),
-                need: weights,
-                have: avail,
-                place: "host memory (MemAvailable)",
-            });
-        }
-    }
     Ok(())
 }
 
-/// Kernel compilation (a spinner until the upload starts), then the weight
-/// upload (a byte bar).
+/// The weight upload (a byte bar; the kernel compiles alongside), then the
+/// rest of the compile if the upload did not hide it (a spinner).
 struct Bars {
     ui: Ui,
     bar: indicatif::ProgressBar,
@@ -191,12 +182,8 @@ impl Bars {
     fn new(ui: &Ui) -> Self {
         Bars {
             ui: *ui,
-            bar: ui.spinner("compiling the megakernel (cached after the first run)"),
+            bar: ui.spinner("preparing the megakernel"),
         }
-    }
-    fn begin(&mut self, what: &str, total: u64) {
-        self.bar.finish_and_clear();
-        self.bar = self.ui.bytes_bar(total, what.to_string());
     }
     fn done(&self) {
         self.bar.finish_and_clear();
@@ -205,7 +192,8 @@ impl Bars {
 
 impl qmk_gpu::Progress for Bars {
     fn begin(&mut self, what: &str, total_bytes: u64) {
-        Bars::begin(self, what, total_bytes);
+        self.bar.finish_and_clear();
+        self.bar = self.ui.bytes_bar(total_bytes, what.to_string());
     }
     fn advance(&mut self, bytes: u64) {
         self.bar.inc(bytes);
@@ -213,14 +201,17 @@ impl qmk_gpu::Progress for Bars {
     fn finish(&mut self) {
         self.bar.finish_and_clear();
     }
+    fn step(&mut self, what: &str) {
+        self.bar.finish_and_clear();
+        self.bar = self.ui.spinner(what.to_string());
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The H200 here: 150,109,880,320 bytes of device memory, and what its
-    /// 128 GiB host had available (MemAvailable) in the 2026-11-29 run.
+    /// The H200 here: 150,109,880,320 bytes of device memory.
     fn h200() -> GpuInfo {
         GpuInfo {
             name: "NVIDIA H200".into(),
@@ -228,35 +219,28 @@ mod tests {
             sms: 132,
         }
     }
-    const HOST_AVAILABLE: u128 = 134_555_975_680;
 
     #[test]
-    fn qwen_72b_is_refused_before_any_upload_with_bytes_needed_and_available() {
+    fn qwen_72b_fits_at_4096_and_a_long_context_is_refused_with_the_bytes() {
         let c = qmk_model::Config::preset("72b").unwrap();
-        // Short context: the weights (145.41 GB) fit the device but cannot be
-        // staged in this host's memory.
-        let e = check_fits(&c, 4096, Some(2048), &h200(), Some(HOST_AVAILABLE)).unwrap_err();
+        // The weights (145.41 GB) stream through pinned buffers: host memory
+        // no longer limits them, and 4,096 positions fit the device.
+        check_fits(&c, 4096, Some(2048), &h200()).unwrap();
+        let e = check_fits(&c, 40_000, Some(2048), &h200()).unwrap_err();
         let msg = e.to_string();
         assert!(matches!(e, GpuError::DoesNotFit { .. }), "{msg}");
-        assert!(msg.contains("145412407296 bytes"), "{msg}");
-        assert!(msg.contains("134555975680 bytes"), "{msg}");
-        assert!(msg.contains("host memory"), "{msg}");
-        // A long context no longer fits the device itself.
-        let e = check_fits(&c, 40_000, Some(2048), &h200(), None)
-            .unwrap_err()
-            .to_string();
         assert!(
-            e.contains("device memory") && e.contains("150109880320 bytes"),
-            "{e}"
+            msg.contains("device memory") && msg.contains("150109880320 bytes"),
+            "{msg}"
         );
+        assert!(msg.contains("145412407296 bytes"), "{msg}");
     }
 
     #[test]
     fn models_that_fit_pass() {
-        for p in ["0.5b", "7b", "14b", "32b"] {
+        for p in ["0.5b", "7b", "14b", "32b", "72b"] {
             let c = qmk_model::Config::preset(p).unwrap();
-            check_fits(&c, 4096, Some(2048), &h200(), Some(HOST_AVAILABLE))
-                .unwrap_or_else(|e| panic!("{p}: {e}"));
+            check_fits(&c, 4096, Some(2048), &h200()).unwrap_or_else(|e| panic!("{p}: {e}"));
         }
     }
 }

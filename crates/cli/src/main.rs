@@ -12,6 +12,7 @@ mod generate;
 mod gpu;
 mod hub;
 mod plan;
+mod synth;
 mod ui;
 
 use std::process::ExitCode;
@@ -39,6 +40,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Write the megakernel cubin for a model and GPU arch (for machines without NVRTC).
     Compile(compile::CompileArgs),
+    /// Write a preset's synthetic weights as a safetensors checkpoint (for `bench --model`).
+    #[command(hide = true)]
+    WriteSynthetic(synth::WriteSyntheticArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +54,7 @@ fn main() -> ExitCode {
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Compile(a) => compile::run(a),
+        Command::WriteSynthetic(a) => synth::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -25,11 +25,53 @@ pub struct PlanArgs {
     /// KV-cache positions to size device memory for.
     #[arg(long, default_value_t = 4096)]
     pub context: u32,
+    /// Device memory to find the largest context for: bytes, or with a unit
+    /// (141GB, 139.8GiB). Default: an H200's 150,109,880,320 bytes.
+    #[arg(long, value_name = "SIZE", default_value = "150109880320", value_parser = parse_size)]
+    pub device_memory: u64,
+}
+
+/// `150109880320`, `141GB`, `139.8GiB`, `512 MiB`: bytes, decimal (kB, MB,
+/// GB, TB) or binary (KiB, MiB, GiB, TiB) units.
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = (t[..split].trim(), t[split..].trim());
+    let scale: f64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => (1u64 << 20) as f64,
+        "gib" => (1u64 << 30) as f64,
+        "tib" => (1u64 << 40) as f64,
+        _ => {
+            return Err(format!(
+                "`{s}`: unknown unit `{unit}` (B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            ))
+        }
+    };
+    if unit.is_empty() || unit.eq_ignore_ascii_case("b") {
+        return num.parse::<u64>().map_err(|e| format!("`{s}`: {e}"));
+    }
+    let v: f64 = num.parse().map_err(|e| format!("`{s}`: {e}"))?;
+    let bytes = (v * scale).round();
+    if !bytes.is_finite() || bytes < 0.0 || bytes >= u64::MAX as f64 {
+        return Err(format!("`{s}` is out of range"));
+    }
+    Ok(bytes as u64)
 }
 
 /// What running the model needs, beside the layout: device memory for the
-/// weights, the KV cache at `context` positions and the scratch buffers, and
-/// the host memory the weights are staged in before the upload.
+/// weights, the KV cache at `context` positions and the scratch buffers; the
+/// host memory the weights stream through (the upload's pinned buffers,
+/// whatever the model's size); and the largest context (with the prefill
+/// kernel's scratch, up to the model's maximum) that `device_memory` bytes
+/// hold.
 #[derive(Serialize)]
 struct MemoryNeed {
     context: u32,
@@ -38,13 +80,15 @@ struct MemoryNeed {
     kv_cache_bytes: u64,
     scratch_bytes: u64,
     host_staging_bytes: u64,
+    device_memory: u64,
+    largest_context: Option<u32>,
 }
 
 /// Grid the scratch buffers are sized for (an H200 has 132 SMs); the scratch
 /// is a few MB, so the choice barely moves the total.
 const PLAN_GRID: u32 = 132;
 
-fn memory_need(config: &Config, context: u32) -> Result<MemoryNeed> {
+fn memory_need(config: &Config, context: u32, device_memory: u64) -> Result<MemoryNeed> {
     let m = qmk_gpu::MemoryPlan::sizes(config, context, PLAN_GRID, None)
         .context("sizing device memory")?;
     let kv = m
@@ -62,8 +106,26 @@ fn memory_need(config: &Config, context: u32) -> Result<MemoryNeed> {
         weight_bytes: m.weight_bytes,
         kv_cache_bytes: kv,
         scratch_bytes: scratch,
-        host_staging_bytes: m.weight_bytes,
+        host_staging_bytes: qmk_gpu::UploadOptions::default()
+            .host_bytes()
+            .context("staging size overflows")? as u64,
+        device_memory,
+        largest_context: largest_context(config, device_memory),
     })
+}
+
+/// The largest context `device_memory` bytes hold for `config` as
+/// `generate` runs it (the prefill kernel's default chunk, the reserve the
+/// backend keeps free), up to the model's maximum.
+fn largest_context(config: &Config, device_memory: u64) -> Option<u32> {
+    let limit = u32::try_from(config.max_context()).unwrap_or(u32::MAX);
+    qmk_gpu::largest_context(
+        config,
+        device_memory.saturating_sub(qmk_gpu::FIT_RESERVE_BYTES),
+        PLAN_GRID,
+        Some(qmk_gpu::DEFAULT_PREFILL_CHUNK),
+        limit,
+    )
 }
 
 /// `plan --json` output: the plan plus what it was made for and totals.
@@ -97,7 +159,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     };
     let plan = qmk_model::model_plan(&config).context("planning the weight layout")?;
     let bytes = qmk_model::weight_bytes(&config)?;
-    let memory = memory_need(&config, args.context)?;
+    let memory = memory_need(&config, args.context, args.device_memory)?;
     if args.json {
         let out = PlanJson {
             model: &label,
@@ -112,7 +174,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         print!("{}", render(&label, &config, &plan, &bytes)?);
         println!(
             "device memory at {} positions: {} (weights {} + KV cache {} + scratch {}); \
-             host memory to stage the weights: {}",
+             host memory the weights stream through: {}",
             memory.context,
             bytes_str(memory.device_bytes),
             bytes_str(memory.weight_bytes),
@@ -120,6 +182,17 @@ pub fn run(args: PlanArgs) -> Result<()> {
             bytes_str(memory.scratch_bytes),
             bytes_str(memory.host_staging_bytes)
         );
+        let max = config.max_context();
+        match memory.largest_context {
+            Some(c) => println!(
+                "largest context in {} of device memory: {c} positions (model maximum {max})",
+                bytes_str(memory.device_memory)
+            ),
+            None => println!(
+                "largest context in {} of device memory: none, the model does not fit",
+                bytes_str(memory.device_memory)
+            ),
+        }
     }
     Ok(())
 }
@@ -262,7 +335,7 @@ mod tests {
     #[test]
     fn memory_need_adds_kv_cache_and_scratch_to_the_weights() {
         let c = Config::preset("72b").unwrap();
-        let m = memory_need(&c, 4096).unwrap();
+        let m = memory_need(&c, 4096, 150_109_880_320).unwrap();
         // K and V: 80 layers x 4096 positions x 1024 (8 kv heads x 128) x 2 bytes each.
         assert_eq!(m.kv_cache_bytes, 2 * 80 * 4096 * 1024 * 2);
         assert_eq!(m.weight_bytes, qmk_model::weight_bytes(&c).unwrap().total.0);
@@ -271,8 +344,38 @@ mod tests {
             m.weight_bytes + m.kv_cache_bytes + m.scratch_bytes
         );
         assert!(m.scratch_bytes > 0);
-        // 72B's weights alone exceed a 128 GiB host's staging memory.
-        assert!(m.host_staging_bytes > 128 << 30);
+        // The weights stream through 192 MiB of pinned buffers.
+        assert_eq!(m.host_staging_bytes, 192 << 20);
+        // An H200 holds 72B with about 11.6k positions (weights 145.41 GB,
+        // 327,680 B per position, the prefill scratch, the 512 MiB reserve);
+        // 80 GB holds nothing.
+        let best = m.largest_context.unwrap();
+        assert!((11_000..12_500).contains(&best), "{best}");
+        let fits = |cap| {
+            let p = qmk_gpu::MemoryPlan::new(&c, cap, PLAN_GRID, Some(2048.min(cap))).unwrap();
+            p.total_bytes + qmk_gpu::FIT_RESERVE_BYTES <= 150_109_880_320
+        };
+        assert!(fits(best) && !fits(best + 1));
+        assert_eq!(largest_context(&c, 80_000_000_000), None);
+        // 0.5B: the model's maximum.
+        let small = Config::preset("0.5b").unwrap();
+        assert_eq!(
+            largest_context(&small, 150_109_880_320),
+            Some(small.max_position_embeddings as u32)
+        );
+    }
+
+    #[test]
+    fn device_memory_sizes() {
+        assert_eq!(parse_size("150109880320"), Ok(150_109_880_320));
+        assert_eq!(parse_size("141GB"), Ok(141_000_000_000));
+        assert_eq!(parse_size("141 GiB"), Ok(141 << 30));
+        assert_eq!(parse_size("0.5MiB"), Ok(1 << 19));
+        assert_eq!(parse_size("80gb"), Ok(80_000_000_000));
+        assert!(parse_size("12XB").unwrap_err().contains("unknown unit"));
+        assert!(parse_size("GB").is_err());
+        assert!(parse_size("1.5").is_err());
+        assert!(parse_size("1e30TB").is_err());
     }
 
     #[test]

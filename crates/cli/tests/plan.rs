@@ -139,3 +139,38 @@ fn plan_from_config_file_and_errors() {
         Some(2)
     );
 }
+
+#[test]
+fn plan_reports_the_largest_context_for_a_device_memory() {
+    let h200 = json(&["plan", "--preset", "72b", "--json"]);
+    let m = &h200["memory"];
+    assert_eq!(m["device_memory"], 150_109_880_320u64);
+    let best = m["largest_context"].as_u64().unwrap();
+    assert!((11_000..12_500).contains(&best), "{best}");
+    let bigger = json(&[
+        "plan",
+        "--preset",
+        "72b",
+        "--json",
+        "--device-memory",
+        "160GB",
+    ]);
+    assert!(bigger["memory"]["largest_context"].as_u64().unwrap() > best);
+    let small = json(&[
+        "plan",
+        "--preset",
+        "72b",
+        "--json",
+        "--device-memory",
+        "80GiB",
+    ]);
+    assert!(small["memory"]["largest_context"].is_null());
+    let out = qwen_mk(&["plan", "--preset", "0.5b", "--device-memory", "141GB"]);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("largest context in 141.00 GB") && text.contains("32768 positions"),
+        "{text}"
+    );
+    let out = qwen_mk(&["plan", "--preset", "0.5b", "--device-memory", "12XB"]);
+    assert!(!out.status.success());
+}

@@ -116,7 +116,9 @@ fn check_goldens<D: Driver>(name: &str, var: &str, rope_scaling: Option<serde_js
         return;
     };
     let steps = gs[0].output_ids.len();
-    let cap = gs.iter().map(|g| g.input_ids.len()).max().unwrap() + steps;
+    // The model's whole context, as `generate` allocates it by default.
+    let cap = w.config.max_context();
+    assert!(cap >= gs.iter().map(|g| g.input_ids.len()).max().unwrap() + steps);
     let mut gpu = open::<D>(&w, with_capacity(cap));
     let (mut exact, mut report) = (0, String::new());
     for g in &gs {

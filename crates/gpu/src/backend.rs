@@ -19,10 +19,9 @@ use crate::plan::{
     base_params, clamp_prefill_chunk, duration_ns, prefill_chunks, prefill_launch_params,
     set_buffer, set_prefill_buffer, Buffer, LaunchInfo, MemoryPlan,
 };
-use crate::staging::{
-    planned_chunks, stage_exact, tie_embeddings, WeightSource, UPLOAD_PIECE_BYTES,
-};
+use crate::staging::{planned_chunks, tie_embeddings, WeightSource, UPLOAD_PIECE_BYTES};
 use crate::status::StatusBlock;
+use crate::upload::{upload_weights, UploadStats};
 
 /// The cubin's kernels (valid as long as the module is).
 pub(crate) struct Functions<D: Driver> {
@@ -62,9 +61,11 @@ pub struct GpuBackend<D: Driver> {
     debug_flags: u32,
     last_argmax: u32,
     pub(crate) opts: Options,
-    /// How long the weight upload took (synchronous copies, closed by a
-    /// context synchronisation).
-    upload_time: Duration,
+    /// What the streamed weight upload did.
+    upload: UploadStats,
+    /// How long the cubin took to compile (or load), on its own thread
+    /// while the weights uploaded.
+    compile_time: Duration,
     pub(crate) prefill: Option<Prefill<D>>,
     // Field order is drop order: the stream first, the context last.
     pub(crate) stream: D::Stream,
@@ -106,7 +107,8 @@ pub(crate) fn alloc<D: Driver>(d: &D, bytes: u64, what: &str, zeroed: bool) -> R
     Ok(buf)
 }
 
-/// Copies `src` to device address `dst` in [`UPLOAD_PIECE_BYTES`] pieces.
+/// Copies `src` to device address `dst` in [`UPLOAD_PIECE_BYTES`] pieces
+/// (host tables; the weights stream through [`upload_weights`]).
 ///
 /// # Safety
 /// `dst..dst + src.len()` lies in a live allocation.
@@ -123,6 +125,26 @@ unsafe fn upload<D: Driver>(
         progress.advance(piece.len() as u64);
     }
     Ok(())
+}
+
+/// Refuses a memory plan the device's free memory cannot hold, naming the
+/// bytes of weights, KV cache and the total needed and free.
+fn check_free(config: &Config, capacity: u32, plan: &MemoryPlan, free: u64) -> Result<()> {
+    if plan.total_bytes <= free {
+        return Ok(());
+    }
+    Err(Error::OutOfMemory {
+        what: format!(
+            "{} weights + a {}-position KV cache ({} B weights, {} B KV, {} B scratch)",
+            config.model_type,
+            capacity,
+            plan.weight_bytes,
+            2 * plan.kv_cache_bytes,
+            plan.total_bytes - plan.weight_bytes - 2 * plan.kv_cache_bytes
+        ),
+        needed: plan.total_bytes,
+        available: free,
+    })
 }
 
 /// Sets `f`'s dynamic shared memory and sizes its cooperative grid.
@@ -158,31 +180,30 @@ impl<D: Driver> GpuBackend<D> {
     }
 
     /// [`GpuBackend::new`] with the weights' bytes from any
-    /// [`WeightSource`].
+    /// [`WeightSource`] (a checkpoint read from disk, synthetic weights
+    /// generated on the fly), streamed to the device through a few pinned
+    /// buffers ([`Options::upload`]) while the kernel compiles on another
+    /// thread. The device memory the run needs is checked before the first
+    /// allocation.
     pub fn from_source(
         source: &dyn WeightSource,
-        opts: Options,
+        mut opts: Options,
         progress: &mut dyn Progress,
     ) -> Result<Self> {
         let mut info = device_info::<D>(opts.device)?;
         let driver = D::open(opts.device).map_err(Error::at("cuDevicePrimaryCtxRetain"))?;
         info.free_mem = driver.mem_info().map_err(Error::at("cuMemGetInfo"))?.0;
         let config = source.config().clone();
-        let capacity = u32::try_from(opts.capacity)
+        let limit = u32::try_from(opts.capacity)
             .ok()
             .filter(|&c| c > 0)
             .ok_or_else(|| Error::Option {
                 field: "capacity",
                 reason: format!("{} is outside 1..=2^32-1", opts.capacity),
             })?;
-        let prefill_chunk = clamp_prefill_chunk(opts.prefill_chunk, capacity);
         let build = match &opts.plan {
             Some(plan) => KernelBuild::with_plan(&config, plan.clone())?,
             None => KernelBuild::new(&config)?,
-        };
-        let cubin = match &opts.cubin {
-            Some(path) => Cubin::from_file(path, info.arch)?,
-            None => Compiler::new()?.compile(&build, info.arch)?,
         };
         let device_name = format!("{} ({})", info.name, info.arch);
         if build.smem_bytes > info.max_smem_optin {
@@ -199,6 +220,90 @@ impl<D: Driver> GpuBackend<D> {
                 reason: "the device does not support cooperative launch".into(),
             });
         }
+        let pf_smem = build.prefill_smem_for(info.arch);
+        if opts.prefill_chunk.is_some() && pf_smem > info.max_smem_optin {
+            return Err(Error::SharedMemory {
+                kernel: "prefill kernel",
+                needed: pf_smem,
+                available: info.max_smem_optin,
+                device: device_name,
+            });
+        }
+
+        // Device memory, before anything is compiled or uploaded: the plan
+        // for one CTA per SM (the grid is known once the cubin is loaded;
+        // only a few MB of scratch depend on it).
+        let grid = info.sms.max(1);
+        let capacity = if opts.fit_capacity {
+            let room = info.free_mem.saturating_sub(crate::plan::FIT_RESERVE_BYTES);
+            crate::plan::largest_context(&config, room, grid, opts.prefill_chunk, limit)
+                .ok_or_else(|| {
+                    let one = MemoryPlan::new(
+                        &config,
+                        1,
+                        grid,
+                        clamp_prefill_chunk(opts.prefill_chunk, 1),
+                    );
+                    Error::OutOfMemory {
+                        what: format!(
+                            "the {} B of weights, a KV cache of one position and scratch (with a \
+                             reserve of {} B)",
+                            one.as_ref().map_or(0, |p| p.weight_bytes),
+                            crate::plan::FIT_RESERVE_BYTES
+                        ),
+                        needed: one
+                            .map_or(u64::MAX, |p| p.total_bytes)
+                            .saturating_add(crate::plan::FIT_RESERVE_BYTES),
+                        available: info.free_mem,
+                    }
+                })?
+        } else {
+            limit
+        };
+        opts.capacity = capacity as usize;
+        let prefill_chunk = clamp_prefill_chunk(opts.prefill_chunk, capacity);
+        let need = MemoryPlan::new(&config, capacity, grid, prefill_chunk)?;
+        check_free(&config, capacity, &need, info.free_mem)?;
+
+        // The cubin compiles (or loads) on its own thread while the weights
+        // upload: NVRTC is loaded here first, so a missing one fails at once.
+        let compiler = match &opts.cubin {
+            Some(path) => Err(path.as_path()),
+            None => Ok(Compiler::new()?),
+        };
+        let mut params = base_params(&config, capacity, opts.spin_timeout);
+        let chunks = planned_chunks(&build)?;
+        let arch = info.arch;
+        let (cubin, compile_time, uploaded) = std::thread::scope(|s| {
+            let build = &build;
+            let compile = s.spawn(move || {
+                let t = Instant::now();
+                let cubin = match &compiler {
+                    Ok(c) => c.compile(build, arch),
+                    Err(path) => Cubin::from_file(path, arch),
+                };
+                (cubin, t.elapsed())
+            });
+            let what = match &opts.cubin {
+                Some(_) => "uploading weights",
+                None => "uploading weights (compiling the megakernel alongside)",
+            };
+            let uploaded = upload_weights(&driver, source, &chunks, &opts.upload, what, progress);
+            if uploaded.is_ok() && !compile.is_finished() {
+                progress.step("compiling the megakernel (cached after the first run)");
+            }
+            let (cubin, took) = compile
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p));
+            (cubin, took, uploaded)
+        });
+        let (weights, uploaded) = uploaded?;
+        let cubin = cubin?;
+        progress.finish();
+        for (c, buf) in chunks.iter().zip(&weights) {
+            c.set(&mut params, buf.addr());
+        }
+        tie_embeddings(&config, &mut params);
 
         // Module, fingerprint, functions.
         let module = driver.load_module(&cubin.bytes).map_err(|code| {
@@ -252,15 +357,6 @@ impl<D: Driver> GpuBackend<D> {
             None => None,
             Some(_) => {
                 let f = get(entry::PREFILL_CHUNK)?;
-                let pf_smem = build.prefill_smem_for(info.arch);
-                if pf_smem > info.max_smem_optin {
-                    return Err(Error::SharedMemory {
-                        kernel: "prefill kernel",
-                        needed: pf_smem,
-                        available: info.max_smem_optin,
-                        device: device_name,
-                    });
-                }
                 let l = launch_shape(
                     &driver,
                     f,
@@ -274,46 +370,9 @@ impl<D: Driver> GpuBackend<D> {
             }
         };
 
-        // Memory plan, checked before the first allocation.
+        // The exact plan for the grid the occupancy API gave.
         let memory = MemoryPlan::new(&config, capacity, launch.grid, prefill_chunk)?;
-        if memory.total_bytes > info.free_mem {
-            return Err(Error::OutOfMemory {
-                what: format!(
-                    "{} weights + a {}-position KV cache ({} B weights, {} B KV)",
-                    config.model_type,
-                    capacity,
-                    memory.weight_bytes,
-                    2 * memory.kv_cache_bytes
-                ),
-                needed: memory.total_bytes,
-                available: info.free_mem,
-            });
-        }
-
-        let mut params = base_params(&config, capacity, opts.spin_timeout);
-
-        // Weights: one allocation per planned chunk, in plan order.
-        let chunks = planned_chunks(&build)?;
-        let t0 = Instant::now();
-        progress.begin("uploading weights", memory.weight_bytes);
-        let mut weights = Vec::with_capacity(chunks.len());
-        for c in &chunks {
-            let what = format!("{} chunk {}", c.tensor, c.chunk);
-            let buf = alloc(&driver, c.bytes, &what, false)?;
-            stage_exact(source, c, &mut |off, piece| {
-                // SAFETY: stage_exact keeps off + piece.len() <= c.bytes,
-                // the size of buf.
-                unsafe { upload(&driver, buf.addr() + off, piece, progress) }
-            })?;
-            c.set(&mut params, buf.addr());
-            weights.push(buf);
-        }
-        driver
-            .synchronize()
-            .map_err(Error::at("cuCtxSynchronize (weight upload)"))?;
-        let upload_time = t0.elapsed();
-        progress.finish();
-        tie_embeddings(&config, &mut params);
+        check_free(&config, capacity, &memory, info.free_mem)?;
 
         // KV cache, rope tables, scratch: zeroed but for the rope tables.
         let rope = qmk_model::reference::Rope::from_spec(
@@ -392,7 +451,8 @@ impl<D: Driver> GpuBackend<D> {
             debug_flags: 0,
             last_argmax: 0,
             opts,
-            upload_time,
+            upload: uploaded,
+            compile_time,
             prefill,
             stream,
             status,
@@ -434,10 +494,20 @@ impl<D: Driver> GpuBackend<D> {
     pub fn arch(&self) -> Arch {
         self.info.arch
     }
-    /// How long the weight upload took (synchronous copies, closed by a
-    /// context synchronisation), and its bytes.
+    /// How long the weight upload took (from the first allocation to the
+    /// last copy landed), and its bytes.
     pub fn upload_stats(&self) -> (Duration, u64) {
-        (self.upload_time, self.memory.weight_bytes)
+        (self.upload.time, self.upload.bytes)
+    }
+    /// What the streamed weight upload did: bytes, time, where the host
+    /// time went, the staging ring.
+    pub fn upload_report(&self) -> UploadStats {
+        self.upload
+    }
+    /// How long the cubin took to compile or load (on its own thread, while
+    /// the weights uploaded).
+    pub fn compile_time(&self) -> Duration {
+        self.compile_time
     }
     /// Grid barriers the last completed step passed (reported by the kernel).
     pub fn barriers_last_step(&mut self) -> Result<u32> {

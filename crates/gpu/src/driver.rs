@@ -105,6 +105,16 @@ impl MappedHost {
     pub fn host_ptr(&self) -> *mut u8 {
         self.host.cast()
     }
+    /// The whole buffer as a byte slice (a staging buffer being filled).
+    ///
+    /// # Safety
+    /// No device work reads or writes the buffer while the slice lives (the
+    /// copy from it has landed, no kernel addresses it).
+    pub unsafe fn host_slice_mut(&mut self) -> &mut [u8] {
+        // SAFETY: `bytes` bytes at `host` are ours (adopted); per the
+        // caller, nothing else touches them meanwhile.
+        unsafe { std::slice::from_raw_parts_mut(self.host.cast::<u8>(), self.bytes) }
+    }
     /// The address the device sees.
     pub fn device_addr(&self) -> u64 {
         self.device
@@ -269,6 +279,10 @@ pub trait Driver: Sized {
     /// `true` once the work before `event` has completed; an error of that
     /// work (a sticky one included) is reported here.
     fn query(&self, event: &Self::Event) -> Result<bool, CudaCode>;
+    /// Blocks until the work before `event` has completed (an upload waits
+    /// for a staging buffer's copy before refilling it); errors as
+    /// [`Driver::query`].
+    fn event_synchronize(&self, event: &Self::Event) -> Result<(), CudaCode>;
     /// Milliseconds between two completed events.
     fn elapsed_ms(&self, start: &Self::Event, end: &Self::Event) -> Result<f32, CudaCode>;
 }

@@ -34,6 +34,7 @@ mod probe;
 pub mod staging;
 pub mod stats;
 mod status;
+pub mod upload;
 
 pub use backend::GpuBackend;
 pub use cuda::{cuda_error_name, describe_cubin, is_sticky, CudaCode};
@@ -45,10 +46,11 @@ pub use options::{
     DeviceInfo, Options, Progress, ABORT_GRACE, DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_MIN_TOKENS,
     STATUS_MAPPED_ENV,
 };
-pub use plan::{LaunchInfo, MemoryPlan, MAX_KV_LAYER_BYTES};
+pub use plan::{largest_context, LaunchInfo, MemoryPlan, FIT_RESERVE_BYTES, MAX_KV_LAYER_BYTES};
 pub use probe::{ProbeReport, ProbeRun};
 pub use staging::{PlannedChunk, WeightSource};
 pub use stats::{BenchOptions, BenchReport, LaunchOverhead, PrefillReport};
+pub use upload::{UploadOptions, UploadStats};
 
 /// The public API of a driver crate, written once: re-exports of the
 /// backend's types, `$backend` (the backend over `$driver`), and the device
@@ -59,6 +61,7 @@ macro_rules! driver_api {
         pub use $crate::{
             BenchOptions, BenchReport, CudaCode, DeviceInfo, Error, LaunchInfo, LaunchOverhead,
             MemoryPlan, Options, PrefillReport, ProbeReport, ProbeRun, Progress, Result,
+            UploadOptions, UploadStats,
         };
 
         #[doc = concat!("The megakernel engine on one GPU through ", $binding, ".")]

@@ -38,6 +38,14 @@ pub struct Options {
     /// streams every weight with few rows per tile. Default
     /// [`DEFAULT_PREFILL_MIN_TOKENS`]; 1 sends every prompt to the kernel.
     pub prefill_min_tokens: usize,
+    /// Pick the KV capacity: the largest up to `capacity` whose memory plan
+    /// fits the device's free memory, less [`crate::plan::FIT_RESERVE_BYTES`]
+    /// ([`Backend::capacity`](qmk_engine::Backend::capacity) reports it).
+    /// Off: exactly `capacity`, refused with the numbers when it does not
+    /// fit.
+    pub fit_capacity: bool,
+    /// The pinned staging ring of the weight upload.
+    pub upload: crate::upload::UploadOptions,
 }
 
 /// Default [`Options::prefill_chunk`]: positions per prefill launch.
@@ -67,6 +75,8 @@ impl Default for Options {
             plan: None,
             prefill_chunk: Some(DEFAULT_PREFILL_CHUNK),
             prefill_min_tokens: DEFAULT_PREFILL_MIN_TOKENS,
+            fit_capacity: false,
+            upload: crate::upload::UploadOptions::default(),
         }
     }
 }
@@ -83,6 +93,9 @@ pub trait Progress {
     fn advance(&mut self, _bytes: u64) {}
     /// Everything has landed.
     fn finish(&mut self) {}
+    /// A step of unknown length is under way (e.g. the kernel compile that
+    /// the upload did not hide); shown until the next `begin` or `finish`.
+    fn step(&mut self, _what: &str) {}
 }
 
 /// No progress reporting.

@@ -431,6 +431,43 @@ impl MemoryPlan {
     }
 }
 
+/// Device memory the backend leaves free beside its memory plan when it
+/// picks the context itself ([`crate::Options::fit_capacity`]): the loaded
+/// module, the driver's own per-context needs, and the slack between the
+/// plan sized for one CTA per SM and the grid the occupancy API gives.
+pub const FIT_RESERVE_BYTES: u64 = 512 << 20;
+
+/// The largest KV capacity in `1..=limit` whose memory plan (a grid of
+/// `grid` CTAs, the prefill scratch for `prefill_chunk` clamped to the
+/// capacity) fits in `available` bytes and that the kernel can address;
+/// `None` when not even one position fits. The plan grows with the
+/// capacity, so a binary search finds it in about 32 plans.
+pub fn largest_context(
+    config: &Config,
+    available: u64,
+    grid: u32,
+    prefill_chunk: Option<u32>,
+    limit: u32,
+) -> Option<u32> {
+    let fits = |c: u32| {
+        MemoryPlan::new(config, c, grid, clamp_prefill_chunk(prefill_chunk, c))
+            .is_ok_and(|p| p.total_bytes <= available)
+    };
+    if limit == 0 || !fits(1) {
+        return None;
+    }
+    let (mut lo, mut hi) = (1u32, limit); // fits(lo); the answer is in lo..=hi
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    Some(lo)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -471,6 +508,32 @@ mod tests {
         let sized = MemoryPlan::sizes(&big, u32::MAX, 132, None).unwrap();
         assert!(sized.kv_layer_bytes > MAX_KV_LAYER_BYTES);
         assert_eq!(MemoryPlan::sizes(&config, 4096, 132, None).unwrap(), plan);
+    }
+
+    #[test]
+    fn largest_context_is_the_last_capacity_that_fits() {
+        let c = Config::preset("72b").unwrap();
+        let plan = |cap| MemoryPlan::new(&c, cap, 132, clamp_prefill_chunk(Some(2048), cap));
+        let h200 = 150_109_880_320u64;
+        let best = largest_context(&c, h200, 132, Some(2048), 32768).unwrap();
+        assert!(plan(best).unwrap().total_bytes <= h200);
+        assert!(plan(best + 1).unwrap().total_bytes > h200);
+        // 72B on an H200: weights 145.41 GB leave room for about 14k
+        // positions at 327,680 bytes each (K and V, 80 layers x 1,024 x 2 B).
+        assert!((13_000..15_000).contains(&best), "{best}");
+        // The model's limit caps it; nothing fits below the weights.
+        let small = Config::preset("0.5b").unwrap();
+        assert_eq!(
+            largest_context(&small, h200, 132, Some(2048), 32768),
+            Some(32768)
+        );
+        let w = qmk_model::weight_bytes(&c).unwrap().total.0;
+        assert_eq!(largest_context(&c, w, 132, Some(2048), 32768), None);
+        assert_eq!(largest_context(&small, h200, 132, None, 0), None);
+        // The kernel's 32-bit KV layer offsets bound it too: 0.5B's KV layer
+        // is 256 bytes per position, so 2^24 positions at most.
+        let huge = largest_context(&small, u64::MAX, 132, None, u32::MAX).unwrap();
+        assert_eq!(huge, 1 << 24);
     }
 
     #[test]

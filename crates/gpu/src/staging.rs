@@ -2,19 +2,21 @@
 //! planned chunk of every stacked tensor the kernel addresses, in plan
 //! order) and where their bytes come from ([`WeightSource`]).
 //!
-//! The backend allocates each [`PlannedChunk`], asks the source to write
-//! the chunk's bytes, and copies them to the device as they arrive. Today's
-//! source is a [`qmk_model::Weights`] in host memory; a source that streams
-//! from mmap'd checkpoint files, or one for another weight layout, plugs in
-//! through the same trait.
+//! The upload ([`crate::upload`]) allocates each [`PlannedChunk`], asks the
+//! source for the chunk's bytes one piece at a time straight into a pinned
+//! buffer, and copies each piece to the device while the next is read. Three
+//! sources exist: [`Weights`] in host memory, [`SyntheticSource`] (generated
+//! on demand) and [`CheckpointSource`] (read from the safetensors files with
+//! `pread`); another weight layout plugs in through the same trait.
 
+use half::bf16;
 use qmk_kernels::{KernelBuild, KernelParams};
-use qmk_model::{Config, WeightKind, Weights};
+use qmk_model::{CheckpointSource, Config, SyntheticSource, WeightKind, Weights};
 
 use crate::error::{Error, Result};
 
-/// Bytes per host-to-device copy: large enough for full PCIe speed, small
-/// enough for a smooth progress bar.
+/// Bytes per synchronous host-to-device copy of a host table (the rope
+/// tables).
 pub const UPLOAD_PIECE_BYTES: usize = 128 << 20;
 
 /// One planned chunk of one weight tensor: one device allocation, and the
@@ -83,91 +85,132 @@ pub fn tie_embeddings(config: &Config, params: &mut KernelParams) {
 }
 
 /// Where the weights' bytes come from.
-pub trait WeightSource {
+pub trait WeightSource: Sync {
     /// The model the weights are for (the kernel is built for it).
     fn config(&self) -> &Config;
 
-    /// Writes the bytes of `chunk`, first to last, through `write` (in one
-    /// call or in consecutive pieces; the backend copies each piece to the
-    /// device as it arrives). Errors name the tensor.
-    fn stage(&self, chunk: &PlannedChunk, write: &mut dyn FnMut(&[u8]) -> Result<()>)
-        -> Result<()>;
+    /// Fills `dst` with bytes `offset..offset + dst.len()` of `chunk` (0 is
+    /// the chunk's first byte). The caller keeps the range inside the chunk
+    /// and both ends even (whole bf16 elements); `dst` is 2-byte aligned.
+    /// Errors name the tensor.
+    fn read(&self, chunk: &PlannedChunk, offset: u64, dst: &mut [u8]) -> Result<()>;
 }
 
-/// Stages `chunk` from `source`, calling `write(offset, piece)` with each
-/// piece's offset inside the chunk, and checks that the source gives
-/// exactly the chunk's bytes (an error names the tensor).
-pub fn stage_exact(
-    source: &dyn WeightSource,
+/// The stacked tensor of `chunk` and `dst` as bf16 elements starting at
+/// element `first` of that tensor (checked: inside the chunk, whole
+/// elements).
+fn elements<'a>(
     chunk: &PlannedChunk,
-    write: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
-) -> Result<()> {
-    let mut written = 0u64;
-    source.stage(chunk, &mut |piece| {
-        let end = written
-            .checked_add(piece.len() as u64)
-            .filter(|&e| e <= chunk.bytes)
-            .ok_or_else(|| Error::Weights {
-                tensor: chunk.tensor.clone(),
-                reason: format!("the source gives more than chunk {}'s bytes", chunk.chunk),
-            })?;
-        write(written, piece)?;
-        written = end;
-        Ok(())
-    })?;
-    if written != chunk.bytes {
-        return Err(Error::Weights {
-            tensor: chunk.tensor.clone(),
-            reason: format!(
-                "the source gave {written} of chunk {}'s {} bytes",
-                chunk.chunk, chunk.bytes
-            ),
-        });
+    offset: u64,
+    dst: &'a mut [u8],
+) -> Result<(WeightKind, u64, &'a mut [bf16])> {
+    let bad = |reason: String| Error::Weights {
+        tensor: chunk.tensor.clone(),
+        reason,
+    };
+    let kind = WeightKind::ALL
+        .iter()
+        .copied()
+        .find(|k| k.name() == chunk.tensor)
+        .ok_or_else(|| bad("the plan names a tensor the model does not have".into()))?;
+    let inside = offset
+        .checked_add(dst.len() as u64)
+        .is_some_and(|e| e <= chunk.bytes);
+    if !inside || offset % 2 != 0 || dst.len() % 2 != 0 {
+        return Err(bad(format!(
+            "bytes {offset}..+{} are not whole elements inside chunk {} ({} bytes)",
+            dst.len(),
+            chunk.chunk,
+            chunk.bytes
+        )));
     }
-    Ok(())
+    let elems: &mut [bf16] = bytemuck::try_cast_slice_mut(dst)
+        .map_err(|e| bad(format!("a staging buffer is not bf16-aligned: {e}")))?;
+    // offset + chunk.offset <= tensor_bytes (checked by planned_chunks).
+    Ok((kind, (chunk.offset + offset) / 2, elems))
 }
 
-/// Weights in host memory: each chunk is a slice of its stacked tensor.
+/// Weights in host memory: each piece is a slice of its stacked tensor.
 impl WeightSource for Weights {
     fn config(&self) -> &Config {
         &self.config
     }
 
-    fn stage(
-        &self,
-        chunk: &PlannedChunk,
-        write: &mut dyn FnMut(&[u8]) -> Result<()>,
-    ) -> Result<()> {
+    fn read(&self, chunk: &PlannedChunk, offset: u64, dst: &mut [u8]) -> Result<()> {
         let bad = |reason: String| Error::Weights {
             tensor: chunk.tensor.clone(),
             reason,
         };
-        let kind = WeightKind::ALL
-            .iter()
-            .copied()
-            .find(|k| k.name() == chunk.tensor)
-            .ok_or_else(|| bad("the plan names a tensor the model does not have".into()))?;
+        let (kind, first, dst) = elements(chunk, offset, dst)?;
         let host = self
             .get(kind)
             .ok_or_else(|| bad("missing from the weights".into()))?;
-        let bytes: &[u8] = bytemuck::cast_slice(host);
-        if bytes.len() as u64 != chunk.tensor_bytes {
+        if host.len() as u64 * 2 != chunk.tensor_bytes {
             return Err(bad(format!(
                 "{} elements, the layout needs {}",
                 host.len(),
                 chunk.tensor_bytes / 2
             )));
         }
-        let end = chunk.offset + chunk.bytes; // checked by planned_chunks
-        write(&bytes[chunk.offset as usize..end as usize])
+        let first = first as usize; // inside `host`, checked above
+        dst.copy_from_slice(&host[first..first + dst.len()]);
+        Ok(())
     }
 }
 
+/// Synthetic weights, generated piece by piece into the staging buffer.
+impl WeightSource for SyntheticSource {
+    fn config(&self) -> &Config {
+        SyntheticSource::config(self)
+    }
+
+    fn read(&self, chunk: &PlannedChunk, offset: u64, dst: &mut [u8]) -> Result<()> {
+        let (kind, first, dst) = elements(chunk, offset, dst)?;
+        Ok(self.fill(kind, first, dst)?)
+    }
+}
+
+/// A checkpoint directory, read piece by piece from its files (`pread`,
+/// converted to bf16) into the staging buffer.
+impl WeightSource for CheckpointSource {
+    fn config(&self) -> &Config {
+        CheckpointSource::config(self)
+    }
+
+    fn read(&self, chunk: &PlannedChunk, offset: u64, dst: &mut [u8]) -> Result<()> {
+        let (kind, first, dst) = elements(chunk, offset, dst)?;
+        Ok(self.read_stacked(kind, first, dst)?)
+    }
+}
+
+/// Reads all of `chunk` from `source` in pieces of at most `piece` bytes
+/// (even), handing each to `write(offset, bytes)`: the host-only form of the
+/// upload, for tests and tools.
+pub fn read_chunk(
+    source: &dyn WeightSource,
+    chunk: &PlannedChunk,
+    piece: usize,
+    write: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<()> {
+    let piece = (piece.max(2) & !1) as u64;
+    // u16 storage keeps the buffer bf16-aligned.
+    let mut buf = vec![0u16; (piece / 2) as usize];
+    let mut at = 0u64;
+    while at < chunk.bytes {
+        let n = piece.min(chunk.bytes - at) as usize;
+        let bytes: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut buf)[..n];
+        source.read(chunk, at, bytes)?;
+        write(at, bytes)?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn tiny(tied: bool) -> Config {
+    pub(crate) fn tiny(tied: bool) -> Config {
         let mut c = Config::preset(if tied { "0.5b" } else { "7b" }).unwrap();
         c.hidden_size = 128;
         c.intermediate_size = 256;
@@ -190,7 +233,8 @@ mod tests {
             let mut p = crate::plan::base_params(&config, 16, std::time::Duration::from_secs(1));
             for (i, c) in chunks.iter().enumerate() {
                 let mut got = Vec::new();
-                w.stage(c, &mut |piece| {
+                read_chunk(&w, c, 1000, &mut |off, piece| {
+                    assert_eq!(off, got.len() as u64);
                     got.extend_from_slice(piece);
                     Ok(())
                 })
@@ -215,64 +259,53 @@ mod tests {
         }
     }
 
-    /// A source that hands out its bytes in pieces of `piece` (as one
-    /// streaming from a file would), giving `extra` bytes more or fewer.
-    struct Pieces {
-        config: Config,
-        piece: usize,
-        extra: i64,
-    }
-
-    impl WeightSource for Pieces {
-        fn config(&self) -> &Config {
-            &self.config
-        }
-        fn stage(
-            &self,
-            chunk: &PlannedChunk,
-            write: &mut dyn FnMut(&[u8]) -> Result<()>,
-        ) -> Result<()> {
-            let n = (chunk.bytes as i64 + self.extra) as usize;
-            let bytes: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
-            bytes.chunks(self.piece).try_for_each(write)
+    /// The three sources give the same bytes for every chunk: in-memory
+    /// synthetic weights, the on-demand generator, and a checkpoint written
+    /// from them and read back with `pread`.
+    #[test]
+    fn every_source_gives_the_same_bytes() {
+        for tied in [true, false] {
+            let config = tiny(tied);
+            let build = KernelBuild::new(&config).unwrap();
+            let w = qmk_model::synthetic_weights(&config, 7);
+            let synth = SyntheticSource::new(&config, 7).unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            qmk_model::write_synthetic_checkpoint(dir.path(), &synth, Some(100_000), &mut |_| {})
+                .unwrap();
+            let file = CheckpointSource::open(dir.path()).unwrap();
+            for c in planned_chunks(&build).unwrap() {
+                let all = |s: &dyn WeightSource, piece| {
+                    let mut v = Vec::new();
+                    read_chunk(s, &c, piece, &mut |_, b| {
+                        v.extend_from_slice(b);
+                        Ok(())
+                    })
+                    .unwrap();
+                    v
+                };
+                let want = all(&w, 1 << 20);
+                assert_eq!(all(&synth, 998), want, "{} synthetic", c.tensor);
+                assert_eq!(all(&file, 4094), want, "{} file", c.tensor);
+            }
         }
     }
 
     #[test]
-    fn streamed_pieces_land_at_their_offsets_and_counts_are_checked() {
+    fn ranges_outside_the_chunk_or_odd_are_refused_naming_the_tensor() {
         let config = tiny(true);
         let build = KernelBuild::new(&config).unwrap();
-        let chunk = planned_chunks(&build).unwrap().remove(0);
-        let src = |extra| Pieces {
-            config: config.clone(),
-            piece: 1000,
-            extra,
-        };
-        let mut dst = vec![0u8; chunk.bytes as usize];
-        stage_exact(&src(0), &chunk, &mut |off, piece| {
-            dst[off as usize..off as usize + piece.len()].copy_from_slice(piece);
-            Ok(())
-        })
-        .unwrap();
-        assert!(dst.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
-        for extra in [1, -1] {
-            let e = stage_exact(&src(extra), &chunk, &mut |_, _| Ok(())).unwrap_err();
-            assert!(
-                e.to_string().starts_with("weight tensor embed_tokens:"),
-                "{e}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_tensor_of_the_wrong_length_is_named() {
-        let config = tiny(true);
-        let build = KernelBuild::new(&config).unwrap();
-        let mut w = qmk_model::synthetic_weights(&config, 7);
-        w.q_proj.pop();
         let chunks = planned_chunks(&build).unwrap();
+        let w = qmk_model::synthetic_weights(&config, 7);
         let c = chunks.iter().find(|c| c.tensor == "q_proj").unwrap();
-        let e = w.stage(c, &mut |_| Ok(())).unwrap_err();
+        let mut buf = vec![0u16; 8];
+        let b: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);
+        for (off, len) in [(c.bytes - 2, 4), (1, 4), (0, 3), (u64::MAX - 1, 2)] {
+            let e = w.read(c, off, &mut b[..len]).unwrap_err();
+            assert!(e.to_string().starts_with("weight tensor q_proj:"), "{e}");
+        }
+        let mut short = w.clone();
+        short.q_proj.pop();
+        let e = short.read(c, 0, b).unwrap_err();
         assert!(e.to_string().starts_with("weight tensor q_proj:"), "{e}");
     }
 }

@@ -33,7 +33,7 @@ use serde::Deserialize;
 
 use crate::config::Config;
 use crate::error::{checked_product, to_usize, ModelError};
-use crate::inventory::{checkpoint_inventory, expected_tensors, WeightKind};
+use crate::inventory::{checkpoint_inventory, expected_tensors, ExpectedTensor, WeightKind};
 use crate::weights::Weights;
 
 /// Largest header accepted; real headers are well under 1 MB, and a larger
@@ -252,6 +252,8 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header, ModelError> {
 #[derive(Debug)]
 pub struct SafetensorsFile {
     path: PathBuf,
+    /// Read with `pread` by the streamed path (no file page is mapped).
+    file: File,
     mmap: Mmap,
     header: Header,
 }
@@ -274,6 +276,7 @@ impl SafetensorsFile {
         let header = parse_header(path, &mmap)?;
         Ok(SafetensorsFile {
             path: path.to_path_buf(),
+            file,
             mmap,
             header,
         })
@@ -337,6 +340,87 @@ impl SafetensorsFile {
             .for_each(|(d, s)| stage_block(dtype, s, d));
         Ok(())
     }
+}
+
+/// Bytes one `pread` of the streamed path asks for: large enough for the
+/// disk's full rate, small enough that parallel reads spread over threads.
+const PREAD_BYTES: usize = 8 << 20;
+
+impl SafetensorsFile {
+    /// Converts elements `first..first + dst.len()` of `entry` (an entry of
+    /// this file) to bf16 into `dst`, reading the file with `pread` in
+    /// parallel blocks: no page of the file is mapped, so nothing of it
+    /// enters the process's resident set, and the only extra memory is one
+    /// block of source bytes per thread for F16 and F32.
+    pub fn read_bf16_range(
+        &self,
+        entry: &TensorEntry,
+        first: u64,
+        dst: &mut [bf16],
+    ) -> Result<(), ModelError> {
+        let Some(dtype) = entry.staged_dtype() else {
+            return Err(ModelError::UnsupportedDtype {
+                path: self.path.clone(),
+                tensor: entry.name.clone(),
+                dtype: entry.dtype.clone(),
+            });
+        };
+        let es = dtype.size_bytes();
+        let inside = first
+            .checked_add(dst.len() as u64)
+            .is_some_and(|e| e <= entry.elems());
+        let start = self
+            .header
+            .data_start
+            .checked_add(entry.data_offsets.0)
+            .and_then(|b| b.checked_add(first.checked_mul(es)?));
+        let (true, Some(start)) = (inside, start) else {
+            return Err(ModelError::OutOfFile {
+                path: self.path.clone(),
+                tensor: entry.name.clone(),
+                begin: entry.data_offsets.0,
+                end: entry.data_offsets.1,
+                data_len: self.header.data_len,
+            });
+        };
+        let es = to_usize("dtype size", es)?;
+        let per_block = PREAD_BYTES / es;
+        dst.par_chunks_mut(per_block)
+            .enumerate()
+            .try_for_each(|(i, d)| {
+                let at = start + (i * per_block * es) as u64;
+                let io = |e| ModelError::io(&self.path, e);
+                if dtype == DType::BF16 && cfg!(target_endian = "little") {
+                    // Little-endian bf16 bits are the host's bf16: straight in.
+                    return read_at(&self.file, bytemuck::cast_slice_mut(d), at).map_err(io);
+                }
+                let mut src = vec![0u8; d.len() * es];
+                read_at(&self.file, &mut src, at).map_err(io)?;
+                stage_block(dtype, &src, d);
+                Ok(())
+            })
+    }
+}
+
+/// Fills `buf` from `file` at byte `offset` (`pread`, retried until full).
+#[cfg(unix)]
+fn read_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
+}
+
+/// Fills `buf` from `file` at byte `offset`.
+#[cfg(windows)]
+fn read_at(file: &File, mut buf: &mut [u8], mut offset: u64) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        match std::os::windows::fs::FileExt::seek_read(file, buf, offset)? {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            n => {
+                buf = &mut buf[n..];
+                offset += n as u64;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Converts little-endian `src` of `dtype` into bf16 `dst` (same count).
@@ -595,6 +679,70 @@ pub fn load_weights(dir: &Path) -> Result<Weights, ModelError> {
     Ok(weights)
 }
 
+/// A checkpoint directory opened for streaming: `config.json` read, every
+/// tensor the config needs checked (presence, shape, dtype), nothing
+/// loaded. [`CheckpointSource::read_stacked`] reads any range of a stacked
+/// tensor straight from the files (`pread`, converted to bf16), so an
+/// upload holds only its own buffers, whatever the model's size.
+#[derive(Debug)]
+pub struct CheckpointSource {
+    config: Config,
+    checkpoint: Checkpoint,
+}
+
+impl CheckpointSource {
+    /// Opens and checks `dir` as [`load_weights`] does, without reading any
+    /// weight.
+    pub fn open(dir: &Path) -> Result<CheckpointSource, ModelError> {
+        let config = Config::from_file(&dir.join("config.json"))?;
+        let checkpoint = Checkpoint::open(dir)?;
+        checkpoint.check(&config)?;
+        Ok(CheckpointSource { config, checkpoint })
+    }
+
+    /// The model.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The checkpoint's files.
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.checkpoint
+    }
+
+    /// Fills `dst` with elements `first..first + dst.len()` of the stacked
+    /// tensor `kind` (layer-major, as [`Weights`] holds it), reading each
+    /// layer's checkpoint tensor that the range touches.
+    pub fn read_stacked(
+        &self,
+        kind: WeightKind,
+        first: u64,
+        dst: &mut [bf16],
+    ) -> Result<(), ModelError> {
+        crate::synthetic::check_range(&self.config, kind, first, dst.len())?;
+        let per = kind.item_elems(&self.config)?;
+        let (mut at, mut rest) = (first, dst);
+        while !rest.is_empty() {
+            let layer = at / per;
+            let inner = at % per;
+            let n = to_usize(kind.name(), (per - inner).min(rest.len() as u64))?;
+            let (now, later) = rest.split_at_mut(n);
+            let name = kind.checkpoint_name(to_usize(kind.name(), layer)?);
+            let (file, entry) =
+                self.checkpoint
+                    .entry(&name)
+                    .ok_or_else(|| ModelError::MissingTensor {
+                        path: self.checkpoint.source.clone(),
+                        tensor: name.clone(),
+                    })?;
+            file.read_bf16_range(entry, inner, now)?;
+            at += n as u64;
+            rest = later;
+        }
+        Ok(())
+    }
+}
+
 // ---- writing ----------------------------------------------------------------
 
 /// One tensor to write: safetensors dtype string (any, even invalid, so tests
@@ -613,13 +761,23 @@ pub struct RawTensor<'a> {
 
 /// The header JSON for `tensors` laid out back to back in the given order.
 fn header_json(tensors: &[RawTensor<'_>]) -> String {
+    header_of(
+        tensors
+            .iter()
+            .map(|t| (t.name, t.dtype, t.shape, t.data.len() as u64)),
+    )
+}
+
+/// The header JSON for tensors `(name, dtype, shape, bytes)` laid out back
+/// to back in the given order.
+fn header_of<'a>(tensors: impl Iterator<Item = (&'a str, &'a str, &'a [u64], u64)>) -> String {
     let mut map = serde_json::Map::new();
     let mut at = 0u64;
-    for t in tensors {
-        let end = at + t.data.len() as u64;
+    for (name, dtype, shape, bytes) in tensors {
+        let end = at + bytes;
         map.insert(
-            t.name.to_string(),
-            serde_json::json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [at, end]}),
+            name.to_string(),
+            serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [at, end]}),
         );
         at = end;
     }
@@ -752,6 +910,110 @@ pub fn save_checkpoint(
         source,
     })?;
     w.flush().map_err(|e| ModelError::io(&index_path, e))
+}
+
+/// Elements generated and written per block by
+/// [`write_synthetic_checkpoint`] (16 MiB of bf16).
+const WRITE_BLOCK_ELEMS: usize = 8 << 20;
+
+/// Writes the synthetic weights of `source` as a bf16 Hugging Face
+/// checkpoint directory (`config.json`, then `model.safetensors` or, with
+/// `max_shard_bytes`, shards of at most that many data bytes and an index),
+/// generating and writing one block at a time: the memory it needs is one
+/// block, whatever the model's size, so a 72B-shaped checkpoint can be
+/// written on a machine with little RAM. Calls `progress(bytes)` after each
+/// block; returns the data bytes written. Reading it back gives exactly
+/// [`crate::synthetic_weights`]`(config, seed)`.
+pub fn write_synthetic_checkpoint(
+    dir: &Path,
+    source: &crate::SyntheticSource,
+    max_shard_bytes: Option<u64>,
+    progress: &mut dyn FnMut(u64),
+) -> Result<u64, ModelError> {
+    let config = source.config();
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let cfg_path = dir.join("config.json");
+    let cfg_text = serde_json::to_string_pretty(config).map_err(|source| ModelError::Json {
+        path: cfg_path.clone(),
+        source,
+    })?;
+    std::fs::write(&cfg_path, cfg_text).map_err(|e| ModelError::io(&cfg_path, e))?;
+    // (tensor, bf16 bytes) in inventory order.
+    let tensors: Vec<(ExpectedTensor, u64)> = checkpoint_inventory(config)?
+        .into_iter()
+        .map(|t| {
+            let n = t.kind.item_elems(config)?;
+            let bytes = n
+                .checked_mul(2)
+                .ok_or_else(|| ModelError::overflow(t.name.clone(), format!("{n} x 2 bytes")))?;
+            Ok((t, bytes))
+        })
+        .collect::<Result<_, ModelError>>()?;
+    // Greedy grouping in order, as save_checkpoint does.
+    let mut groups: Vec<&[(ExpectedTensor, u64)]> = Vec::new();
+    let (mut start, mut size) = (0usize, 0u64);
+    for (i, (_, b)) in tensors.iter().enumerate() {
+        if max_shard_bytes.is_some_and(|limit| i > start && size.saturating_add(*b) > limit) {
+            groups.push(&tensors[start..i]);
+            (start, size) = (i, 0);
+        }
+        size = size.saturating_add(*b);
+    }
+    groups.push(&tensors[start..]);
+    let n = groups.len();
+    let mut weight_map = BTreeMap::new();
+    let mut total = 0u64;
+    let mut block = vec![bf16::ZERO; WRITE_BLOCK_ELEMS];
+    for (i, group) in groups.iter().enumerate() {
+        let shard = if max_shard_bytes.is_some() {
+            format!("model-{:05}-of-{n:05}.safetensors", i + 1)
+        } else {
+            SINGLE_FILE.to_string()
+        };
+        let path = dir.join(&shard);
+        let io = |e| ModelError::io(&path, e);
+        let header = header_of(
+            group
+                .iter()
+                .map(|(t, b)| (t.name.as_str(), "BF16", t.shape.as_slice(), *b)),
+        );
+        let mut h = header.into_bytes();
+        h.resize(h.len().next_multiple_of(8), b' ');
+        let mut out = BufWriter::with_capacity(1 << 20, File::create(&path).map_err(io)?);
+        out.write_all(&(h.len() as u64).to_le_bytes()).map_err(io)?;
+        out.write_all(&h).map_err(io)?;
+        let mut bytes = Vec::with_capacity(WRITE_BLOCK_ELEMS * 2);
+        for (t, b) in group.iter() {
+            weight_map.insert(t.name.clone(), shard.clone());
+            let per = t.kind.item_elems(config)?;
+            let mut at = per * t.layer as u64;
+            let end = at + per;
+            while at < end {
+                let len = to_usize(&t.name, (end - at).min(WRITE_BLOCK_ELEMS as u64))?;
+                source.fill(t.kind, at, &mut block[..len])?;
+                bytes.clear();
+                bytes.extend(block[..len].iter().flat_map(|v| v.to_bits().to_le_bytes()));
+                out.write_all(&bytes).map_err(io)?;
+                progress(bytes.len() as u64);
+                at += len as u64;
+            }
+            total += b;
+        }
+        out.flush().map_err(io)?;
+    }
+    if max_shard_bytes.is_some() {
+        let index_path = dir.join(INDEX_FILE);
+        let index =
+            serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        let file = File::create(&index_path).map_err(|e| ModelError::io(&index_path, e))?;
+        let mut w = BufWriter::new(file);
+        serde_json::to_writer_pretty(&mut w, &index).map_err(|source| ModelError::Json {
+            path: index_path.clone(),
+            source,
+        })?;
+        w.flush().map_err(|e| ModelError::io(&index_path, e))?;
+    }
+    Ok(total)
 }
 
 #[cfg(test)]
@@ -1295,6 +1557,65 @@ mod tests {
         assert_eq!(h.tensors.len(), 3);
         assert_eq!(h.tensors["c"].shape, Vec::<u64>::new());
         assert_eq!(h.data_start + h.data_len, b.len() as u64);
+    }
+
+    /// Every range of every stacked tensor, read by the streamed path from
+    /// a checkpoint of each stored dtype (single file and shards), equals
+    /// the same range of what `load_weights` stages.
+    #[test]
+    fn streamed_ranges_equal_the_staged_weights() {
+        for (tied, dtype, shard) in [
+            (true, DType::BF16, None),
+            (false, DType::F16, Some(300)),
+            (false, DType::F32, None),
+        ] {
+            let (dir, _) = good_dir(tied, dtype, shard);
+            let staged = load_weights(dir.path()).unwrap();
+            let src = CheckpointSource::open(dir.path()).unwrap();
+            for kind in WeightKind::ALL {
+                let Some(want) = staged.get(kind) else {
+                    assert!(src.read_stacked(kind, 0, &mut [bf16::ZERO]).is_err());
+                    continue;
+                };
+                for piece in [1usize, 5, 17, want.len()] {
+                    let mut got = vec![bf16::ZERO; want.len()];
+                    for (i, d) in got.chunks_mut(piece).enumerate() {
+                        src.read_stacked(kind, (i * piece) as u64, d).unwrap();
+                    }
+                    let same = got
+                        .iter()
+                        .zip(want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{kind:?} {dtype:?} in pieces of {piece}");
+                }
+                let e = src
+                    .read_stacked(kind, want.len() as u64, &mut [bf16::ZERO])
+                    .unwrap_err();
+                assert!(matches!(e, ModelError::Range { .. }), "{e}");
+            }
+        }
+    }
+
+    /// The streamed writer gives a checkpoint that loads as exactly the
+    /// synthetic weights, sharded or not.
+    #[test]
+    fn synthetic_checkpoint_round_trips() {
+        for (tied, shard) in [(true, None), (false, Some(500))] {
+            let c = tiny(tied);
+            let dir = tempfile::tempdir().unwrap();
+            let src = crate::SyntheticSource::new(&c, 9).unwrap();
+            let mut reported = 0;
+            let total = write_synthetic_checkpoint(dir.path(), &src, shard, &mut |b| reported += b)
+                .unwrap();
+            assert_eq!(total, reported);
+            assert_eq!(dir.path().join(INDEX_FILE).is_file(), shard.is_some());
+            let w = load_weights(dir.path()).unwrap();
+            let want = synthetic_weights(&c, 9);
+            for kind in WeightKind::ALL {
+                assert_eq!(w.get(kind), want.get(kind), "{kind:?}");
+            }
+            assert_eq!(total, crate::weight_bytes(&c).unwrap().total.0);
+        }
     }
 
     /// Loads the real Qwen2.5-Coder-0.5B-Instruct fixture when

@@ -325,6 +325,21 @@ pub enum ModelError {
         found: usize,
     },
 
+    /// A read of elements outside a stacked tensor (or of an absent one).
+    #[error("tensor `{tensor}`: elements {first}..+{len} are outside its {total} elements{note}")]
+    Range {
+        /// The stacked tensor's name.
+        tensor: &'static str,
+        /// First element asked for.
+        first: u64,
+        /// Elements asked for.
+        len: u64,
+        /// Elements of the stacked tensor (0 when absent).
+        total: u64,
+        /// Why, when the tensor is absent.
+        note: &'static str,
+    },
+
     /// Arguments to the CPU reference that do not fit together (the message
     /// says which).
     #[error("cpu reference: {0}")]

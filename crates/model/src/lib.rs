@@ -18,10 +18,10 @@ pub mod synthetic;
 pub mod tokenizer;
 pub mod weights;
 
-pub use checkpoint::{load_weights, Checkpoint};
+pub use checkpoint::{load_weights, write_synthetic_checkpoint, Checkpoint, CheckpointSource};
 pub use config::{Config, GenerationConfig};
 pub use error::ModelError;
 pub use inventory::{model_plan, stacked_specs, weight_bytes, WeightBytes, WeightKind};
 pub use small_file::{read_small_file, SMALL_FILE_CAP};
-pub use synthetic::synthetic_weights;
+pub use synthetic::{synthetic_weights, SyntheticSource};
 pub use weights::Weights;

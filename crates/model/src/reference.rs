@@ -31,6 +31,7 @@
 
 mod matmul;
 mod ops;
+mod streamed;
 #[cfg(test)]
 mod tests;
 
@@ -41,6 +42,8 @@ pub use ops::{
     argmax, attention, attention_head, check_weights, embed, final_norm, kv_append, layer_weights,
     lm_head, mlp, o_proj, qkv_proj, rms_norm, rotary, silu, Dims, KvCache, LayerWeights, Rope,
 };
+
+pub use streamed::StreamedReference;
 
 use crate::error::ModelError;
 use crate::Weights;
@@ -310,62 +313,38 @@ impl Reference {
     ) -> Result<Vec<f32>, ModelError> {
         self.check_rows(rows)?;
         let d = self.dims;
-        let (h, qd, kvd, t) = (d.hidden, d.q_dim(), d.kv_dim(), rows.len());
+        let (h, t) = (d.hidden, rows.len());
         let w = &*self.weights;
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect(); // [T]
         let positions: Vec<usize> = rows.iter().map(|r| r.pos).collect(); // [T]
 
-        let mut x = vec![0f32; t * h]; // [T, H] residual stream
-        let mut xn = vec![0f32; t * h]; // [T, H] normed
-        let mut q = vec![0f32; t * qd]; // [T, Q]
-        let mut k = vec![0f32; t * kvd]; // [T, KV]
-        let mut v = vec![0f32; t * kvd]; // [T, KV]
-        let mut att = vec![0f32; t * qd]; // [T, Q]
-
-        embed(&w.embed_tokens, &tokens, h, &mut x);
+        let mut s = Scratch::new(&d, t);
+        embed(&w.embed_tokens, &tokens, h, &mut s.x);
         if let Some(tr) = trace.as_deref_mut() {
             *tr = StepTrace {
-                embed: x.clone(),
+                embed: s.x.clone(),
                 ..StepTrace::default()
             };
         }
         for l in 0..d.layers {
             let lw = layer_weights(w, &d, l);
             let mut lt = trace.as_ref().map(|_| LayerTrace::default());
-
-            rms_norm(&x, lw.input_layernorm, d.rms_norm_eps, &mut xn);
-            qkv_proj(&xn, &lw, h, &mut q, &mut k, &mut v);
-            if let Some(lt) = lt.as_mut() {
-                lt.attn_norm = xn.clone();
-                lt.q = q.clone();
-                lt.k = k.clone();
-                lt.v = v.clone();
-            }
-            rotary(&mut q, &positions, &self.rope);
-            rotary(&mut k, &positions, &self.rope);
-            for (i, r) in rows.iter().enumerate() {
-                let (ki, vi) = (&k[i * kvd..(i + 1) * kvd], &v[i * kvd..(i + 1) * kvd]);
-                kv_append(&mut self.caches[r.seq], l, r.pos, ki, vi);
-            }
-            let caches: Vec<&KvCache> = rows.iter().map(|r| &self.caches[r.seq]).collect();
-            ops::attention_rows(&q, &caches, &positions, l, &d, &mut att);
-            o_proj(&att, lw.o_proj, qd, &mut x);
-            if let Some(lt) = lt.as_mut() {
-                lt.q_rot = q.clone();
-                lt.k_rot = k.clone();
-                lt.attn = att.clone();
-                lt.h_attn = x.clone();
-            }
-
-            rms_norm(&x, lw.post_attention_layernorm, d.rms_norm_eps, &mut xn);
-            let act = mlp(&xn, &lw, &d, &mut x);
-            if let (Some(tr), Some(mut lt)) = (trace.as_deref_mut(), lt) {
-                lt.mlp_norm = xn.clone();
-                lt.act = act;
-                lt.h_out = x.clone();
+            layer_forward(
+                &lw,
+                &d,
+                l,
+                &self.rope,
+                rows,
+                &positions,
+                &mut self.caches,
+                &mut s,
+                lt.as_mut(),
+            );
+            if let (Some(tr), Some(lt)) = (trace.as_deref_mut(), lt) {
                 tr.layers.push(lt);
             }
         }
+        let Scratch { x, mut xn, .. } = s;
 
         final_norm(&x, &w.norm, d.rms_norm_eps, &mut xn);
         let selected: &[f32] = match which {
@@ -408,6 +387,78 @@ impl Reference {
             }
         }
         Ok(())
+    }
+}
+
+/// The activations of one forward pass over `T` rows.
+struct Scratch {
+    x: Vec<f32>,   // [T, H] residual stream
+    xn: Vec<f32>,  // [T, H] normed
+    q: Vec<f32>,   // [T, Q]
+    k: Vec<f32>,   // [T, KV]
+    v: Vec<f32>,   // [T, KV]
+    att: Vec<f32>, // [T, Q]
+}
+
+impl Scratch {
+    fn new(d: &Dims, t: usize) -> Self {
+        Self {
+            x: vec![0f32; t * d.hidden],
+            xn: vec![0f32; t * d.hidden],
+            q: vec![0f32; t * d.q_dim()],
+            k: vec![0f32; t * d.kv_dim()],
+            v: vec![0f32; t * d.kv_dim()],
+            att: vec![0f32; t * d.q_dim()],
+        }
+    }
+}
+
+/// One decoder layer over the rows of a pass: attention (K/V of every row
+/// stored before any row attends) then the MLP, both added to the residual
+/// stream `s.x`; records the layer's outputs in `lt` if given.
+#[allow(clippy::too_many_arguments)]
+fn layer_forward(
+    lw: &LayerWeights<'_>,
+    d: &Dims,
+    l: usize,
+    rope: &Rope,
+    rows: &[Row],
+    positions: &[usize], // [T]
+    caches: &mut [KvCache],
+    s: &mut Scratch,
+    mut lt: Option<&mut LayerTrace>,
+) {
+    let (h, qd, kvd) = (d.hidden, d.q_dim(), d.kv_dim());
+    rms_norm(&s.x, lw.input_layernorm, d.rms_norm_eps, &mut s.xn);
+    qkv_proj(&s.xn, lw, h, &mut s.q, &mut s.k, &mut s.v);
+    if let Some(lt) = lt.as_deref_mut() {
+        lt.attn_norm = s.xn.clone();
+        lt.q = s.q.clone();
+        lt.k = s.k.clone();
+        lt.v = s.v.clone();
+    }
+    rotary(&mut s.q, positions, rope);
+    rotary(&mut s.k, positions, rope);
+    for (i, r) in rows.iter().enumerate() {
+        let (ki, vi) = (&s.k[i * kvd..(i + 1) * kvd], &s.v[i * kvd..(i + 1) * kvd]);
+        kv_append(&mut caches[r.seq], l, r.pos, ki, vi);
+    }
+    let row_caches: Vec<&KvCache> = rows.iter().map(|r| &caches[r.seq]).collect();
+    ops::attention_rows(&s.q, &row_caches, positions, l, d, &mut s.att);
+    o_proj(&s.att, lw.o_proj, qd, &mut s.x);
+    if let Some(lt) = lt.as_deref_mut() {
+        lt.q_rot = s.q.clone();
+        lt.k_rot = s.k.clone();
+        lt.attn = s.att.clone();
+        lt.h_attn = s.x.clone();
+    }
+
+    rms_norm(&s.x, lw.post_attention_layernorm, d.rms_norm_eps, &mut s.xn);
+    let act = mlp(&s.xn, lw, d, &mut s.x);
+    if let Some(lt) = lt {
+        lt.mlp_norm = s.xn.clone();
+        lt.act = act;
+        lt.h_out = s.x.clone();
     }
 }
 

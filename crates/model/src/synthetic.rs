@@ -127,6 +127,76 @@ pub fn fill_synthetic(dst: &mut [bf16], p: &SyntheticParams, first: u64) {
         });
 }
 
+/// Synthetic weights described rather than materialised: any range of
+/// any stacked tensor generated on demand, bit-identical to the same range
+/// of [`synthetic_weights`]. A streamed upload fills its pinned buffers
+/// from it piece by piece, so no model size ever sits whole in host memory.
+#[derive(Debug, Clone)]
+pub struct SyntheticSource {
+    config: Config,
+    seed: u64,
+}
+
+impl SyntheticSource {
+    /// The weights [`synthetic_weights`]`(config, seed)` would give.
+    pub fn new(config: &Config, seed: u64) -> Result<SyntheticSource, ModelError> {
+        config.validate()?;
+        for kind in WeightKind::ALL {
+            kind.stacked_elems(config)?; // every size checked once, here
+        }
+        Ok(SyntheticSource {
+            config: config.clone(),
+            seed,
+        })
+    }
+
+    /// The model.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The seed.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Fills `dst` with elements `first..first + dst.len()` of the stacked
+    /// tensor `kind` (row-major over its stacked shape), in parallel. A range
+    /// past the tensor, or an absent `lm_head`, is an error naming it.
+    pub fn fill(&self, kind: WeightKind, first: u64, dst: &mut [bf16]) -> Result<(), ModelError> {
+        check_range(&self.config, kind, first, dst.len())?;
+        fill_synthetic(dst, &synthetic_params(&self.config, kind, self.seed), first);
+        Ok(())
+    }
+}
+
+/// Checks that `kind` is present and `first..first + len` lies inside its
+/// stacked tensor.
+pub(crate) fn check_range(
+    config: &Config,
+    kind: WeightKind,
+    first: u64,
+    len: usize,
+) -> Result<(), ModelError> {
+    let total = kind.stacked_elems(config)?;
+    let present = kind.present(config);
+    let inside = first.checked_add(len as u64).is_some_and(|e| e <= total);
+    if !present || !inside {
+        return Err(ModelError::Range {
+            tensor: kind.name(),
+            first,
+            len: len as u64,
+            total: if present { total } else { 0 },
+            note: if present {
+                ""
+            } else {
+                " (absent: the embeddings are tied)"
+            },
+        });
+    }
+    Ok(())
+}
+
 /// Deterministic synthetic weights for `config` (see the module docs for
 /// the exact function). Generated in parallel straight into the final
 /// buffers. The same `(config, seed)` always gives the same bits.
@@ -302,6 +372,45 @@ mod tests {
         });
         eprintln!("{name}: refill in {:.2} s", t.elapsed().as_secs_f64());
         assert_eq!(w.norm.len(), c.hidden_size);
+    }
+
+    /// The chunked generator gives the whole-tensor generator's bits, for
+    /// any split of any tensor (the GPU checksum records depend on it).
+    #[test]
+    fn chunked_fill_is_bit_identical_to_the_whole_tensor() {
+        for tied in [true, false] {
+            let mut c = tiny();
+            c.tie_word_embeddings = tied;
+            let whole = synthetic_weights(&c, 20261129);
+            let src = SyntheticSource::new(&c, 20261129).unwrap();
+            for kind in WeightKind::ALL {
+                let Some(want) = whole.get(kind) else {
+                    let mut one = [bf16::ZERO];
+                    assert!(src.fill(kind, 0, &mut one).is_err(), "{kind:?}");
+                    continue;
+                };
+                // Pieces of a prime length, so they straddle rows, layers and
+                // the generator's parallel blocks.
+                for piece in [1usize, 7, 997, BLOCK + 3] {
+                    let mut got = vec![bf16::ZERO; want.len()];
+                    let mut at = 0;
+                    while at < got.len() {
+                        let n = piece.min(got.len() - at);
+                        src.fill(kind, at as u64, &mut got[at..at + n]).unwrap();
+                        at += n;
+                    }
+                    let same = got
+                        .iter()
+                        .zip(want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{kind:?} in pieces of {piece}");
+                }
+                // One past the end is refused, naming the tensor.
+                let mut two = [bf16::ZERO; 2];
+                let e = src.fill(kind, want.len() as u64 - 1, &mut two).unwrap_err();
+                assert!(e.to_string().contains(kind.name()), "{e}");
+            }
+        }
     }
 
     #[test]
