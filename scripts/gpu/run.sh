@@ -28,6 +28,13 @@
 #               warm), delete it
 #   compile     kernel compile alongside the upload, cold (empty cubin cache)
 #               then warm, 0.5B and 7B
+#   scale72     72B on one GPU: the scale program's `scale_72b` (weights
+#               streamed from the synthetic source, 8 greedy steps on both
+#               drivers vs the CPU reference regenerating the weights layer
+#               by layer); QMK_SCALE_CUBINS (default .carry/cubins, written
+#               here by the scale program's ignored `precompile_cubins`)
+#               skips NVRTC
+#   bisect72    the 32-bit trap at 72B shapes per tensor group (`bisect_72b`)
 #   ab          baseline vs this build, interleaved in rounds, decode and
 #               prefill (needs BASE at build time)
 #   hf          Hugging Face transformers eager on the same shapes
@@ -153,6 +160,8 @@ EOF
 # reference of ~40 TFLOP, skipped unless FULL=1.
 test_args() {
   [[ $1 == test-prefill && -z ${FULL:-} ]] && echo "--skip c_7b_prompt_3000"
+  # The 72B tests take a call of their own each (steps scale72, bisect72).
+  [[ $1 == test-scale ]] && echo "--skip scale_72b --skip bisect_72b"
 }
 
 for step in $STEPS; do
@@ -199,6 +208,13 @@ for step in $STEPS; do
         QMK_CACHE_DIR=$C bench "compile-warm-$p" qwen-mk --preset $p --steps 16
         rm -rf "$C"
       done ;;
+    scale72|bisect72)
+      export QMK_SCALE_CUBINS=${QMK_SCALE_CUBINS:-$ROOT/.carry/cubins}
+      t=${step%72}
+      [[ $t == scale ]] && t=scale_72b || t=bisect_72b
+      run_tests test-scale 590 --exact "$t"
+      mv "$LOG/test-scale.log" "$LOG/test-scale-$t.log"
+      grep -h "RESULT\|upload)\|streamed CPU\| | N=" "$LOG/test-scale-$t.log" | while read -r x; do note "    ${x:0:300}"; done ;;
     ab)
       [[ -x $BIN/base-qwen-mk ]] || { note "FAIL ab: no baseline binary (BASE at build time)"; continue; }
       for r in 1 2; do

@@ -1,9 +1,11 @@
-//! The megakernel at 14B and 32B shapes (29.5 GB and 65.5 GB of synthetic
-//! bf16 weights, split per the plan), on both drivers, against
-//! the CPU reference on the same weights; and the 32-bit trap bisected in a
-//! real decode (first N layers of 14B, N across the layout crate's predicted
-//! boundary, with the planner's split and with a plan made for the wrong
-//! offset model).
+//! The megakernel at 14B, 32B and 72B shapes (29.5, 65.5 and 145.4 GB of
+//! synthetic bf16 weights, split per the plan), on both drivers, against
+//! the CPU reference on the same weights (at 72B the weights are streamed
+//! to the GPU and regenerated layer by layer for the CPU reference: they do
+//! not fit in host memory); and the 32-bit trap bisected in a real decode
+//! (first N layers of 14B, N across the layout crate's predicted boundary,
+//! with the planner's split and with a plan made for the wrong offset
+//! model; at 72B per tensor group, `bisect_72b`).
 //!
 //! Every test skips with a printed reason without a CUDA device or without
 //! the host memory its weights need. Run each test in its own process on the
@@ -25,7 +27,8 @@ use qmk_gpu::{BenchOptions, Driver, GpuBackend, Options};
 use qmk_kernels::KernelBuild;
 use qmk_layout::KERNEL_OFFSET_MODEL;
 use qmk_layout::{first_wrapping_slice, plan_model, ModelPlan, OffsetModel, OffsetUnit};
-use qmk_model::reference::{Reference, ReferenceOptions};
+use qmk_model::reference::{Logits, Reference, ReferenceOptions, StreamedReference};
+use qmk_model::synthetic::SyntheticSource;
 use qmk_model::{synthetic_weights, Config, Weights};
 
 /// Two prompt tokens, then greedy picks.
@@ -355,6 +358,241 @@ fn bisect(w: &mut Weights) {
     }
 }
 
+/// Greedy picks after a prompt of one token at 72B-scale shapes (the
+/// prompt's second token is the first pick's input).
+const GREEDY_72B: usize = 8;
+
+/// One GPU run on synthetic weights streamed from `source` (never whole in
+/// host memory): feeds `prompt`, then `greedy` of its own picks; returns the
+/// tokens fed, the picks and the logits after each token.
+fn gpu_run_streamed<D: Driver>(
+    source: &SyntheticSource,
+    plan: Option<ModelPlan>,
+    prompt: &[u32],
+    greedy: usize,
+    label: &str,
+) -> (Vec<u32>, Vec<u32>, Vec<Vec<f32>>) {
+    let config = source.config();
+    let build = match &plan {
+        Some(p) => KernelBuild::with_plan(config, p.clone()).unwrap(),
+        None => KernelBuild::new(config).unwrap(),
+    };
+    let chunks: Vec<String> = build
+        .plan
+        .tensors
+        .iter()
+        .map(|t| format!("{} x{}", t.spec.name, t.chunks.len()))
+        .collect();
+    let cubin = cubin_for(&build);
+    let opts = Options {
+        capacity: 64,
+        plan,
+        cubin: cubin.clone(),
+        step_deadline: std::time::Duration::from_secs(60),
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let mut b = GpuBackend::<D>::from_source(source, opts, &mut ())
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+    let (up, bytes) = b.upload_stats();
+    println!(
+        "{label}: {} layers, chunks {chunks:?}, cubin {}, open + upload {:.1} s ({:.1} GB/s upload), peak RSS {}",
+        config.num_hidden_layers,
+        if cubin.is_some() { "prebuilt" } else { "NVRTC" },
+        t.elapsed().as_secs_f64(),
+        bytes as f64 / up.as_secs_f64().max(1e-9) / 1e9,
+        peak_rss()
+    );
+    let (mut fed, mut picks, mut logits) = (Vec::new(), Vec::new(), Vec::new());
+    let mut token = prompt[0];
+    for pos in 0..prompt.len() + greedy {
+        if let Some(&t) = prompt.get(pos) {
+            token = t;
+        }
+        let out = b
+            .step(token, pos)
+            .unwrap_or_else(|e| panic!("{label}: step {pos}: {e}"));
+        fed.push(token);
+        picks.push(out.argmax);
+        logits.push(b.logits().unwrap());
+        token = out.argmax;
+    }
+    (fed, picks, logits)
+}
+
+/// The streamed CPU reference on the tokens a GPU run fed, in one pass:
+/// every row's logits against the GPU's, every row's argmax against the
+/// GPU's pick (equal picks on equal inputs: the greedy runs are the same).
+fn check_streamed(
+    label: &str,
+    source: &SyntheticSource,
+    fed: &[u32],
+    picks: &[u32],
+    logits: &[Vec<f32>],
+) -> (f64, bool) {
+    let t = Instant::now();
+    let mut cpu = StreamedReference::new(
+        source.config(),
+        source.seed(),
+        ReferenceOptions::new(fed.len()).kv_bf16(true),
+    )
+    .unwrap();
+    let all = cpu.forward(fed, 0, Logits::All).unwrap(); // [T, V]
+    let v = source.config().vocab_size;
+    println!(
+        "{label}: streamed CPU reference, {} rows in {:.1} s, {:.2} GB of weights held at most, peak RSS {}",
+        fed.len(),
+        t.elapsed().as_secs_f64(),
+        cpu.peak_weight_bytes() as f64 / 1e9,
+        peak_rss()
+    );
+    let (mut worst, mut equal) = (0f64, true);
+    for (pos, row) in all.chunks(v).enumerate() {
+        let e = rel_err(&logits[pos], row);
+        let want = argmax(row);
+        worst = worst.max(e);
+        equal &= picks[pos] == want;
+        println!(
+            "{label}: pos {pos} token {} -> gpu {} cpu {want} rel err {e:.3e}",
+            fed[pos], picks[pos]
+        );
+    }
+    (worst, equal)
+}
+
+/// VmHWM of this process, for the log.
+fn peak_rss() -> String {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .map(|l| l.split_whitespace().skip(1).collect::<Vec<_>>().join(" "))
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// 72B (145 GB of bf16, more than the GPU machine's host memory) on one
+/// GPU: weights streamed from the synthetic source, 8 greedy steps on both
+/// drivers against the streamed CPU reference.
+#[test]
+fn scale_72b() {
+    let test = "scale_72b";
+    if !device_or_skip(test) {
+        return;
+    }
+    let config = Config::preset("72b").unwrap();
+    let source = SyntheticSource::new(&config, SEED).unwrap();
+    let mut runs = Vec::new();
+    for name in ["cudarc", "cust"] {
+        let label = format!("{test} {name}");
+        let (fed, picks, logits) = if name == "cudarc" {
+            gpu_run_streamed::<CudarcDriver>(&source, None, &PROMPT[..1], GREEDY_72B, &label)
+        } else {
+            gpu_run_streamed::<CustDriver>(&source, None, &PROMPT[..1], GREEDY_72B, &label)
+        };
+        runs.push((label, fed, picks, logits));
+    }
+    let identical = runs[0].2 == runs[1].2 && runs[0].3 == runs[1].3;
+    // Bit-identical runs share one CPU pass (72B of weights regenerated).
+    let checked = if identical { &runs[..1] } else { &runs[..] };
+    for (label, fed, picks, logits) in checked {
+        let (err, ok) = check_streamed(label, &source, fed, picks, logits);
+        println!("{label}: RESULT {GREEDY_72B} greedy steps, ids equal {ok}, max rel err {err:.3e}, cudarc == cust bit-identical {identical}");
+        assert!(ok, "{label}: greedy ids differ from the CPU reference");
+        assert!(err <= TOL, "{label}: logits error {err:.3e} over {TOL}");
+    }
+    assert!(identical, "{test}: cudarc and cust differ");
+}
+
+/// The 32-bit trap bisected at 72B shapes, one tensor group at a time: with
+/// the plan's split turned off for gate/up/down only (10 chunks each in the
+/// plan) and for q/o only (3 chunks), the first N-layer model that decodes
+/// wrong is the one the layout crate predicts for that group; with the plan
+/// on, the same N is right. Turning the split off for one group at a time
+/// matters: gate/up/down wrap from layer 8 and would hide q/o's wrap at
+/// layer 32.
+#[test]
+fn bisect_72b() {
+    let test = "bisect_72b";
+    if !device_or_skip(test) {
+        return;
+    }
+    let full = Config::preset("72b").unwrap();
+    let mut rows = Vec::new();
+    for group in [
+        &["gate_proj", "up_proj", "down_proj"][..],
+        &["q_proj", "o_proj"][..],
+    ] {
+        let specs = qmk_model::stacked_specs(&full).unwrap();
+        let planned = plan_model(&specs, &KERNEL_OFFSET_MODEL).unwrap();
+        let mut predicted = Vec::new();
+        for name in group {
+            let spec = specs.iter().find(|s| s.name == *name).unwrap();
+            let chunks = planned.tensor(name).unwrap().chunks.len();
+            let p = first_wrapping_slice(spec, &KERNEL_OFFSET_MODEL)
+                .unwrap()
+                .unwrap();
+            println!("{test}: {name}: {chunks} chunks in the plan; the layout crate predicts layer {p} is the first whose 32-bit byte offsets wrap unsplit");
+            predicted.push(p as usize);
+        }
+        let p = *predicted.iter().min().unwrap();
+        for n in [p, p + 1] {
+            let mut c = full.clone();
+            c.num_hidden_layers = n;
+            let source = SyntheticSource::new(&c, SEED).unwrap();
+            let plan = unsplit(&c, group);
+            for (name, plan) in [("split", None), ("unsplit", Some(plan))] {
+                let label = format!("{test} {} N={n} {name}", group.join("/"));
+                let (fed, picks, logits) =
+                    gpu_run_streamed::<CudarcDriver>(&source, plan, &PROMPT, 1, &label);
+                let (err, ok) = check_streamed(&label, &source, &fed, &picks, &logits);
+                let clean = ok && err <= TOL;
+                println!(
+                    "{label}: RESULT ids equal {ok}, max rel err {err:.3e} -> {}",
+                    if clean { "clean" } else { "WRONG" }
+                );
+                rows.push((group.join("/"), p, n, name, clean));
+            }
+        }
+    }
+    for (group, p, n, name, clean) in &rows {
+        let want = *name == "split" || *n <= *p;
+        println!(
+            "{test}: {group} | N={n} | {name} | {} (expected {})",
+            if *clean { "clean" } else { "WRONG" },
+            if want { "clean" } else { "WRONG" }
+        );
+    }
+    for (group, p, n, name, clean) in rows {
+        let want = name == "split" || n <= p;
+        assert_eq!(
+            clean, want,
+            "{group} N={n} {name}: the layout crate predicts the first wrong layer is {p}"
+        );
+    }
+}
+
+/// The kernel's plan for `config` with the tensors in `names` in one chunk
+/// each (their split turned off; everything else as planned).
+fn unsplit(config: &Config, names: &[&str]) -> ModelPlan {
+    let specs = qmk_model::stacked_specs(config).unwrap();
+    let mut plan = plan_model(&specs, &KERNEL_OFFSET_MODEL).unwrap();
+    let whole = plan_model(&specs, &NO_SPLIT).unwrap();
+    for t in plan.tensors.iter_mut() {
+        if names.contains(&t.spec.name.as_str()) {
+            *t = whole.tensor(&t.spec.name).unwrap().clone();
+        }
+    }
+    plan
+}
+
+/// 64-bit offsets: a plan made with it splits nothing.
+const NO_SPLIT: OffsetModel = OffsetModel {
+    bits: 64,
+    unit: OffsetUnit::Bytes,
+};
+
 /// A zero-layer stand-in while the real weights are shared.
 fn placeholder() -> Weights {
     let mut c = Config::preset("0.5b").unwrap();
@@ -409,6 +647,21 @@ fn precompile_cubins() {
         builds.push(KernelBuild::new(&c).unwrap());
         let wrong = plan_model(&qmk_model::stacked_specs(&c).unwrap(), &WRONG_MODEL).unwrap();
         builds.push(KernelBuild::with_plan(&c, wrong).unwrap());
+    }
+    // 72B: the whole model, and the bisection's N-layer models with the
+    // plan and with one group's split turned off.
+    let full = Config::preset("72b").unwrap();
+    builds.push(KernelBuild::new(&full).unwrap());
+    for (group, p) in [
+        (&["gate_proj", "up_proj", "down_proj"][..], 8),
+        (&["q_proj", "o_proj"][..], 32),
+    ] {
+        for n in [p, p + 1] {
+            let mut c = full.clone();
+            c.num_hidden_layers = n;
+            builds.push(KernelBuild::new(&c).unwrap());
+            builds.push(KernelBuild::with_plan(&c, unsplit(&c, group)).unwrap());
+        }
     }
     for b in builds {
         let t = Instant::now();

@@ -1,6 +1,6 @@
 //! The CPU reference for synthetic models larger than host memory (72B is
 //! 145 GB of bf16): each pass regenerates the weights layer by layer
-//! ([`crate::synthetic`]'s element function is addressable by index), so at
+//! ([`SyntheticSource`]: any range of any tensor on demand), so at
 //! most one layer's weights, the final norm and the LM head are held at
 //! once. Same ops, same order and same rounding as [`Reference`], so its
 //! logits equal `Reference`'s on [`crate::synthetic_weights`] bit for bit.
@@ -18,14 +18,13 @@ use super::{
 use crate::config::Config;
 use crate::error::ModelError;
 use crate::inventory::WeightKind;
-use crate::synthetic::{fill_synthetic, synthetic_params};
+use crate::synthetic::SyntheticSource;
 
 /// The CPU reference on synthetic weights regenerated per layer (see the
 /// module docs). One sequence.
 #[derive(Debug, Clone)]
 pub struct StreamedReference {
-    config: Config,
-    seed: u64,
+    source: SyntheticSource,
     dims: Dims,
     rope: Rope,           // [S, hd/2] cos and sin
     caches: Vec<KvCache>, // [1], [L, S, KV] for K and V
@@ -76,9 +75,11 @@ impl StreamedReference {
         let vh = v.checked_mul(h).ok_or_else(|| {
             ModelError::overflow("vocab_size", format!("{v} x hidden_size {h} exceeds usize"))
         })?;
+        let source = SyntheticSource::new(config, seed)?;
         Ok(Self {
-            config: config.clone(),
-            seed,
+            norm: generate(&source, WeightKind::Norm, 0, h)?,
+            lm_head: generate(&source, head_kind, 0, vh)?,
+            source,
             rope: Rope::from_spec(&dims.rope, dims.head_dim, opts.capacity),
             caches: vec![KvCache::new(
                 dims.layers,
@@ -86,8 +87,6 @@ impl StreamedReference {
                 dims.kv_dim(),
                 opts.kv_bf16,
             )],
-            norm: generate(config, seed, WeightKind::Norm, 0, h),
-            lm_head: generate(config, seed, head_kind, 0, vh),
             dims,
         })
     }
@@ -130,17 +129,16 @@ impl StreamedReference {
         let mut rows_of_embed = Vec::with_capacity(t * h); // [T, H]
         for &tok in tokens {
             rows_of_embed.extend(generate(
-                &self.config,
-                self.seed,
+                &self.source,
                 WeightKind::EmbedTokens,
                 tok as usize * h,
                 h,
-            ));
+            )?);
         }
         let local: Vec<u32> = (0..t as u32).collect(); // [T]
         embed(&rows_of_embed, &local, h, &mut s.x);
         for l in 0..d.layers {
-            let layer = self.layer(l);
+            let layer = self.layer(l)?;
             let lw = layer.weights();
             layer_forward(
                 &lw,
@@ -184,16 +182,16 @@ impl StreamedReference {
 
     /// Layer `l`'s weights: elements `l·n .. (l+1)·n` of each stacked
     /// tensor.
-    fn layer(&self, l: usize) -> Layer {
-        Layer {
+    fn layer(&self, l: usize) -> Result<Layer, ModelError> {
+        Ok(Layer {
             tensors: PER_LAYER
                 .iter()
                 .map(|&k| {
                     let n = self.per_layer_len(k);
-                    generate(&self.config, self.seed, k, l * n, n)
+                    generate(&self.source, k, l * n, n)
                 })
-                .collect(),
-        }
+                .collect::<Result<_, _>>()?,
+        })
     }
 
     fn check_rows(&self, rows: &[Row]) -> Result<(), ModelError> {
@@ -240,10 +238,15 @@ impl Layer {
 }
 
 /// Elements `first .. first + n` of the synthetic tensor `kind`.
-fn generate(config: &Config, seed: u64, kind: WeightKind, first: usize, n: usize) -> Vec<bf16> {
+fn generate(
+    source: &SyntheticSource,
+    kind: WeightKind,
+    first: usize,
+    n: usize,
+) -> Result<Vec<bf16>, ModelError> {
     let mut out = vec![bf16::ZERO; n];
-    fill_synthetic(&mut out, &synthetic_params(config, kind, seed), first as u64);
-    out
+    source.fill(kind, first as u64, &mut out)?;
+    Ok(out)
 }
 
 #[cfg(test)]
