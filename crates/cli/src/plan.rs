@@ -23,7 +23,8 @@ pub struct PlanArgs {
     #[arg(long)]
     pub json: bool,
     /// KV-cache positions to size device memory for.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, allow_negative_numbers = true,
+          value_parser = crate::common::whole::<u32>(1..=crate::common::MAX_POSITIONS))]
     pub context: u32,
 }
 
@@ -107,10 +108,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
             per_decode_step_bytes: bytes.per_decode_step,
             memory,
         };
-        println!("{}", serde_json::to_string(&out)?);
+        crate::output::print(&format!("{}\n", serde_json::to_string(&out)?))
     } else {
-        print!("{}", render(&label, &config, &plan, &bytes)?);
-        println!(
+        let mut text = render(&label, &config, &plan, &bytes)?;
+        writeln!(
+            text,
             "device memory at {} positions: {} (weights {} + KV cache {} + scratch {}); \
              host memory to stage the weights: {}",
             memory.context,
@@ -119,9 +121,9 @@ pub fn run(args: PlanArgs) -> Result<()> {
             bytes_str(memory.kv_cache_bytes),
             bytes_str(memory.scratch_bytes),
             bytes_str(memory.host_staging_bytes)
-        );
+        )?;
+        crate::output::print(&text)
     }
-    Ok(())
 }
 
 /// `6.79 GB (6794772480 bytes)`, `491.52 kB (491520 bytes)`: decimal units,
