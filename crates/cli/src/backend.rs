@@ -159,6 +159,7 @@ pub fn top_logprobs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
         .map(|&v| ((v - max) as f64).exp())
         .sum();
     let log_z = max as f64 + sum.ln();
+    let k = k.min(logits.len());
     let mut best: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
     for (i, &v) in logits.iter().enumerate() {
         if !v.is_finite() {

@@ -19,6 +19,18 @@ use qmk_gpu::{
 };
 use qmk_model::{CheckpointSource, Config, SyntheticSource};
 
+use crate::common::{whole, MAX_POSITIONS};
+use crate::output::{eprint_line, print, usage};
+
+/// Most values a list flag (`--context`, `--ab`) may hold.
+const MAX_LIST: usize = 64;
+/// Most timed or untimed steps of one bench (the per-step times are kept).
+const MAX_STEPS: i64 = 1_000_000;
+/// Most timed prefills, and most `--ab` rounds.
+const MAX_REPS: i64 = 10_000;
+/// Largest streaming-read buffer, GiB (more than any GPU holds).
+const MAX_STREAM_GIB: i64 = 1024;
+
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// Model shape: 0.5b, 1.5b, 3b, 7b, 14b, 32b, 72b (synthetic weights).
@@ -37,35 +49,40 @@ pub struct BenchArgs {
     /// GPU backend: cudarc, or cust (a build with `--features cust`).
     #[arg(long, default_value = "cudarc")]
     backend: String,
-    /// Untimed steps.
-    #[arg(long, default_value_t = 16)]
+    /// Untimed steps (at most 1,000,000).
+    #[arg(long, default_value_t = 16, allow_negative_numbers = true,
+          value_parser = whole::<usize>(0..=MAX_STEPS))]
     warmup: usize,
-    /// Timed steps (median reported).
-    #[arg(long, default_value_t = 200)]
+    /// Timed steps (median reported; at most 1,000,000).
+    #[arg(long, default_value_t = 200, allow_negative_numbers = true,
+          value_parser = whole::<usize>(1..=MAX_STEPS))]
     steps: usize,
-    /// KV length(s) the timed steps run at, comma-separated (0: positions
-    /// from 0, the short-context bench). Positions below the run hold
-    /// synthetic KV values; the floor counts the KV bytes read.
-    #[arg(long, value_delimiter = ',', default_value = "0")]
+    /// KV length(s) the timed steps run at, comma-separated, at most 64
+    /// (0: positions from 0, the short-context bench). Positions below the
+    /// run hold synthetic KV values; the floor counts the KV bytes read.
+    #[arg(long, value_delimiter = ',', default_value = "0", allow_negative_numbers = true,
+          value_parser = whole::<usize>(0..=MAX_POSITIONS))]
     context: Vec<usize>,
     /// Extra kernel flag bits for every timed step (A/B: 32 attention
     /// without the sequence split, 64 the split forced).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     kernel_flags: u32,
-    /// Size of the streaming-read buffer for the floor, GiB.
-    #[arg(long, default_value_t = 4)]
+    /// Size of the streaming-read buffer for the floor, GiB (1 to 1024).
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true,
+          value_parser = whole::<u64>(1..=MAX_STREAM_GIB))]
     stream_gib: u64,
     /// Synthetic-weight seed.
-    #[arg(long, default_value_t = 20261129)]
+    #[arg(long, default_value_t = 20261129, allow_negative_numbers = true)]
     seed: u64,
     /// Load this cubin instead of compiling with NVRTC.
     #[arg(long)]
     cubin: Option<std::path::PathBuf>,
     /// Cap CTAs per SM (default: the occupancy API's answer).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = whole::<u32>(1..=64))]
     ctas_per_sm: Option<u32>,
     /// CUDA device ordinal.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true,
+          value_parser = whole::<usize>(0..=i32::MAX as i64))]
     device: usize,
     /// One JSON object on stdout.
     #[arg(long)]
@@ -75,28 +92,47 @@ pub struct BenchArgs {
     #[arg(long)]
     profile: bool,
     /// Timed steps of each profile variant (median reported).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, allow_negative_numbers = true,
+          value_parser = whole::<usize>(1..=MAX_STEPS))]
     profile_steps: usize,
     /// Time to first token instead of decode speed: prefill of N synthetic
     /// prompt tokens with the tensor-core prefill kernel.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true,
+          value_parser = whole::<usize>(1..=MAX_POSITIONS))]
     prefill: Option<usize>,
     /// Positions per prefill launch (with --prefill; the same default as
     /// `generate`).
-    #[arg(long, default_value_t = qmk_gpu::DEFAULT_PREFILL_CHUNK)]
+    #[arg(long, default_value_t = qmk_gpu::DEFAULT_PREFILL_CHUNK, allow_negative_numbers = true,
+          value_parser = whole::<u32>(1..=MAX_POSITIONS))]
     prefill_chunk: u32,
-    /// Timed prefills (median reported; with --prefill).
-    #[arg(long, default_value_t = 10)]
+    /// Timed prefills (median reported; with --prefill; at most 10,000).
+    #[arg(long, default_value_t = 10, allow_negative_numbers = true,
+          value_parser = whole::<usize>(1..=MAX_REPS))]
     prefill_reps: usize,
-    /// With --prefill: A/B of kernel-flag variants (comma-separated, each
-    /// added to --kernel-flags; 0 is the default build), timed interleaved
-    /// in --ab-rounds rounds in one process, so clock and power drift hits
-    /// every variant alike.
-    #[arg(long, value_delimiter = ',')]
+    /// With --prefill: A/B of kernel-flag variants (comma-separated, at most
+    /// 64, each added to --kernel-flags; 0 is the default build), timed
+    /// interleaved in --ab-rounds rounds in one process, so clock and power
+    /// drift hits every variant alike.
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     ab: Vec<u32>,
-    /// Rounds of the --ab variants.
-    #[arg(long, default_value_t = 4)]
+    /// Rounds of the --ab variants (at most 10,000).
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true,
+          value_parser = whole::<usize>(1..=MAX_REPS))]
     ab_rounds: usize,
+}
+
+impl BenchArgs {
+    /// What the parser cannot check on one value: the lengths of the lists.
+    fn check(&self) -> Result<()> {
+        for (flag, n) in [("--context", self.context.len()), ("--ab", self.ab.len())] {
+            if n > MAX_LIST {
+                return Err(usage(format!(
+                    "{flag}: {n} values, at most {MAX_LIST} are allowed"
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// N synthetic prompt ids below the special tokens (deterministic).
@@ -165,6 +201,7 @@ fn bench_options(a: &BenchArgs, context: usize, stream_bytes: u64) -> BenchOptio
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    a.check()?;
     let cust = match a.backend.as_str() {
         "cudarc" => false,
         "cust" if cfg!(feature = "cust") => true,
@@ -175,7 +212,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     };
     let say = |s: String| {
         if !a.json {
-            eprintln!("{s}");
+            eprint_line(&s);
         }
     };
     let capacity = match a.prefill {
@@ -291,11 +328,12 @@ impl Load {
     }
 
     /// The text lines of every report.
-    fn print(&self) {
+    /// The upload, compile and peak-RSS lines of the text report.
+    fn text(&self) -> String {
         let u = &self.upload;
-        println!(
+        let mut s = format!(
             "  upload         {:>10.2} GB/s  ({:.2} GB in {:.2} s: host reading {:.2} s, waiting on \
-             copies {:.2} s; {} pinned buffers of {} MiB)",
+             copies {:.2} s; {} pinned buffers of {} MiB)\n",
             u.gbps(),
             u.bytes as f64 / 1e9,
             u.time.as_secs_f64(),
@@ -304,16 +342,17 @@ impl Load {
             u.buffers,
             u.buffer_bytes >> 20
         );
-        println!(
-            "  compile        {:>10.2} s     (alongside the upload; from {})",
+        s += &format!(
+            "  compile        {:>10.2} s     (alongside the upload; from {})\n",
             self.compile_s, self.weights
         );
         if let Some(r) = self.peak_rss {
-            println!(
-                "  peak RSS       {:>10.2} GiB  (VmHWM, {r} bytes)",
+            s += &format!(
+                "  peak RSS       {:>10.2} GiB  (VmHWM, {r} bytes)\n",
                 r as f64 / (1u64 << 30) as f64
             );
         }
+        s
     }
 }
 
@@ -364,7 +403,7 @@ fn decode<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>) -> Result<()> {
         } else {
             Vec::new()
         };
-        print_report(a, &r, &l, &profile, &Load::of(a, backend));
+        print(&report_text(a, &r, &l, &profile, &Load::of(a, backend)))?;
     }
     Ok(())
 }
@@ -408,19 +447,19 @@ fn report_json(
     v
 }
 
-fn print_report(
+/// The report of one decode bench: one JSON line, or the table.
+fn report_text(
     a: &BenchArgs,
     r: &BenchReport,
     l: &LaunchInfo,
     profile: &[(String, f64)],
     load: &Load,
-) {
+) -> String {
     if a.json {
-        println!("{}", report_json(a, r, l, profile, load));
-        return;
+        return format!("{}\n", report_json(a, r, l, profile, load));
     }
-    println!(
-        "{} on {} ({}), synthetic weights, context {} (timed positions {}..{}), flags {}",
+    let mut s = format!(
+        "{} on {} ({}), synthetic weights, context {} (timed positions {}..{}), flags {}\n",
         a.name(),
         r.device,
         a.backend,
@@ -429,32 +468,36 @@ fn print_report(
         r.first_timed_pos + r.steps,
         a.kernel_flags
     );
-    println!("  tok/s          {:>10.1}", r.tok_per_s);
-    println!(
+    let mut line = |t: String| {
+        s.push_str(&t);
+        s.push('\n');
+    };
+    line(format!("  tok/s          {:>10.1}", r.tok_per_s));
+    line(format!(
         "  us/step        {:>10.1}  (p10 {:.1}, p90 {:.1}, median of {})",
         r.us_per_step, r.us_p10, r.us_p90, r.steps
-    );
-    println!(
+    ));
+    line(format!(
         "  bytes/step     {:>10}  (of which KV {})",
         r.bytes_per_step, r.kv_bytes
-    );
-    println!("  achieved GB/s  {:>10.1}", r.gbps);
-    println!(
+    ));
+    line(format!("  achieved GB/s  {:>10.1}", r.gbps));
+    line(format!(
         "  floor GB/s     {:>10.1}  (streaming read, same cubin, same run)",
         r.floor_gbps
-    );
-    println!(
+    ));
+    line(format!(
         "  % of floor     {:>10.1}  (floor {:.0} tok/s)",
         r.pct_of_floor, r.floor_tok_per_s
-    );
+    ));
     for (name, us) in profile {
-        println!("  profile: {name:<32} {us:>10.1} us/step");
+        line(format!("  profile: {name:<32} {us:>10.1} us/step"));
     }
-    println!(
+    line(format!(
         "  barriers/step  {:>10}  grid {} x {} threads, {} regs, {} B smem",
         r.barriers_per_step, r.grid, l.block, r.registers, l.smem_bytes
-    );
-    load.print();
+    ));
+    s + &load.text()
 }
 
 /// Prefill phases in skip-bit order (`qmk_prefill_chunk`, kernels/cuda/prefill.cuh).
@@ -564,9 +607,14 @@ fn prefill<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>, n: usize) -> R
         });
         let mut v = v;
         Load::of(a, backend).json(&mut v);
-        println!("{v}");
+        print(&format!("{v}\n"))
     } else {
-        println!(
+        let mut s = String::new();
+        let mut line = |t: String| {
+            s.push_str(&t);
+            s.push('\n');
+        };
+        line(format!(
             "{} on {} ({}), synthetic weights, prefill of {} tokens in chunks of {} ({} launches)",
             a.name(),
             r.device,
@@ -574,18 +622,18 @@ fn prefill<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>, n: usize) -> R
             r.tokens,
             r.chunk,
             r.launches
-        );
-        println!(
+        ));
+        line(format!(
             "  time to first token {:>10.3} ms  (p10 {:.3}, p90 {:.3}, median of {})",
             r.ms_median, r.ms_p10, r.ms_p90, r.reps
-        );
-        println!("  matrix TFLOP/s      {:>10.1}", r.tflops);
-        println!(
+        ));
+        line(format!("  matrix TFLOP/s      {:>10.1}", r.tflops));
+        line(format!(
             "  grid {} x 512 threads, {} regs, {} B dyn smem, {} barriers/launch",
             r.grid, r.registers, r.smem_bytes, r.barriers_per_launch
-        );
+        ));
         if let Some(x) = pf {
-            println!("  ptxas: {x}");
+            line(format!("  ptxas: {x}"));
         }
         for (name, ms) in &profile {
             let what = match *name {
@@ -594,19 +642,19 @@ fn prefill<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>, n: usize) -> R
                 "ab_mma_sync" => "whole prefill, FLAG_PF_MMA_SYNC",
                 _ => "full - skipped",
             };
-            println!("  profile {name:<10} {ms:>10.3} ms  ({what})");
+            line(format!("  profile {name:<10} {ms:>10.3} ms  ({what})"));
         }
         for (f, v, m) in &ab {
             let rounds: Vec<String> = v.iter().map(|x| format!("{x:.2}")).collect();
-            println!(
+            line(format!(
                 "  ab flags {f:<8} {m:>10.3} ms  (median of {} interleaved rounds: {})",
                 v.len(),
                 rounds.join(" ")
-            );
+            ));
         }
-        Load::of(a, backend).print();
+        s += &Load::of(a, backend).text();
+        print(&s)
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -3,17 +3,19 @@
 //! streamed. A conversation that outgrows the context gets a message, not a
 //! crash; `/reset` starts over.
 
-use std::io::{BufRead, IsTerminal, Write};
+use std::io::{BufRead, IsTerminal, Read, Write};
 use std::ops::ControlFlow;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use qmk_engine::{Backend, Engine, StopReason};
 use qmk_model::chat::Message;
 
 use crate::common::{
     choose_target, engine_error, open_backend, stats_line, Model, ModelArgs, RunArgs, SamplingArgs,
+    MAX_STDIN_BYTES,
 };
+use crate::output::{eprint_line, stdout_error};
 use crate::ui::Ui;
 
 /// Default context of a chat session (capped by the model's own limit).
@@ -37,10 +39,6 @@ pub struct ChatArgs {
 }
 
 pub fn run(args: ChatArgs) -> Result<()> {
-    run_inner(args).map_err(crate::common::one_line)
-}
-
-fn run_inner(args: ChatArgs) -> Result<()> {
     let ui = Ui::new(args.run.quiet);
     args.sampling.sampling()?;
     let target = choose_target(args.run.backend, &ui)?;
@@ -48,7 +46,6 @@ fn run_inner(args: ChatArgs) -> Result<()> {
     let template = model.chat_template()?;
     let (model_max, max_name) = crate::common::model_context(&model.config);
     let capacity = match args.run.context {
-        Some(0) => bail!("invalid value for --context: 0 (must be at least 1)"),
         Some(c) if c > model_max => {
             bail!("--context {c} exceeds the model's {max_name} ({model_max})")
         }
@@ -74,16 +71,17 @@ fn run_inner(args: ChatArgs) -> Result<()> {
         history.push(Message::system(sys.clone()));
     }
     let system_len = history.len();
-    let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
+    let mut stdin = std::io::stdin().lock();
     let mut out = std::io::stdout().lock();
     loop {
         if interactive {
-            write!(out, "> ")?;
-            out.flush()?;
+            out.write_all(b"> ")
+                .and_then(|()| out.flush())
+                .map_err(stdout_error)?;
         }
-        let Some(line) = lines.next() else { break };
-        let line = line.context("cannot read from stdin")?;
+        let Some(line) = read_line(&mut stdin)? else {
+            break;
+        };
         let text = line.trim();
         match text {
             "" => continue,
@@ -103,7 +101,8 @@ fn run_inner(args: ChatArgs) -> Result<()> {
                 out,
                 "[context full: the conversation would be {} tokens but the context holds {capacity}; /reset to start a new one]",
                 prompt_ids.len()
-            )?;
+            )
+            .map_err(stdout_error)?;
             continue;
         }
         let room = capacity - prompt_ids.len() + 1;
@@ -116,8 +115,9 @@ fn run_inner(args: ChatArgs) -> Result<()> {
             .generate(&prompt_ids, &opts, |tok| {
                 let r = dec.push(tok).map_err(anyhow::Error::from).and_then(|t| {
                     if let Some(t) = t {
-                        out.write_all(t.as_bytes())?;
-                        out.flush()?;
+                        out.write_all(t.as_bytes())
+                            .and_then(|()| out.flush())
+                            .map_err(stdout_error)?;
                     }
                     Ok(())
                 });
@@ -133,25 +133,77 @@ fn run_inner(args: ChatArgs) -> Result<()> {
         if let Some(e) = failure {
             return Err(e);
         }
-        if let Some(rest) = dec.flush()? {
-            out.write_all(rest.as_bytes())?;
-        }
-        writeln!(out)?;
+        let mut tail = dec.flush()?.unwrap_or_default();
+        tail.push('\n');
         let cut_by_context =
             g.stop == StopReason::Length && opts.max_new_tokens < base_opts.max_new_tokens;
         if cut_by_context {
-            writeln!(
-                out,
-                "[context full: the reply was cut at {} tokens; /reset to start a new conversation]",
+            tail.push_str(&format!(
+                "[context full: the reply was cut at {} tokens; /reset to start a new conversation]\n",
                 g.output_ids.len()
-            )?;
+            ));
         }
-        out.flush()?;
+        out.write_all(tail.as_bytes())
+            .and_then(|()| out.flush())
+            .map_err(stdout_error)?;
         if !ui.quiet() {
-            eprintln!("{}", stats_line(&g, backend_name));
+            eprint_line(&stats_line(&g, backend_name));
         }
         let reply = model.tokenizer.decode(&g.output_ids, true)?;
         history.push(Message::assistant(reply));
     }
     Ok(())
+}
+
+/// The next line of `input` without its line break, `None` at the end; a
+/// line is at most [`MAX_STDIN_BYTES`] (an endless line is refused after
+/// that much, not read until memory runs out).
+fn read_line(input: &mut impl BufRead) -> Result<Option<String>> {
+    let mut bytes = Vec::new();
+    input
+        .take(MAX_STDIN_BYTES + 1)
+        .read_until(b'\n', &mut bytes)
+        .context("cannot read from stdin")?;
+    if bytes.is_empty() {
+        return Ok(None);
+    }
+    if bytes.len() as u64 > MAX_STDIN_BYTES {
+        bail!(
+            "a message on stdin is longer than {} MiB",
+            MAX_STDIN_BYTES >> 20
+        );
+    }
+    if bytes.last() == Some(&b'\n') {
+        bytes.pop();
+        if bytes.last() == Some(&b'\r') {
+            bytes.pop();
+        }
+    }
+    String::from_utf8(bytes)
+        .map(Some)
+        .map_err(|_| anyhow!("a message on stdin is not UTF-8 text"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_are_read_one_at_a_time_and_bounded() {
+        let mut input = std::io::Cursor::new(b"one\r\ntwo\n\nlast".to_vec());
+        let mut got = Vec::new();
+        while let Some(l) = read_line(&mut input).unwrap() {
+            got.push(l);
+        }
+        assert_eq!(got, ["one", "two", "", "last"]);
+        // An endless line: refused after the cap, not read to the end.
+        let mut endless = std::io::BufReader::new(std::io::repeat(b'x'));
+        let e = read_line(&mut endless).unwrap_err().to_string();
+        assert!(e.contains("longer than 64 MiB"), "{e}");
+        let mut bad = std::io::Cursor::new(vec![0xff, b'\n']);
+        assert!(read_line(&mut bad)
+            .unwrap_err()
+            .to_string()
+            .contains("UTF-8"));
+    }
 }

@@ -1,11 +1,13 @@
 //! What `generate` and `chat` share: arguments, finding and loading a model,
 //! choosing a backend, sampling options and the stats line.
 
+use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
+use clap::builder::TypedValueParser;
 use clap::{Args, ValueEnum};
 use qmk_engine::{Backend, BackendKind, EngineError, GenerateOptions, Generation, Sampling};
 use qmk_model::chat::{ChatTemplate, Message};
@@ -18,6 +20,60 @@ use crate::gpu::{self, GpuError};
 use crate::hub;
 use crate::ui::Ui;
 
+/// Most KV-cache positions a flag may ask for: positions are 32-bit in the
+/// kernel. The memory check refuses far fewer on any real machine, before
+/// anything is allocated.
+pub const MAX_POSITIONS: i64 = u32::MAX as i64;
+
+/// Most entries `--top-logprobs` may ask for at each generated position (as
+/// many as OpenAI's API gives): the records grow with it times the tokens.
+pub const MAX_TOP_LOGPROBS: i64 = 20;
+
+/// Longest text read from stdin at once (the `--prompt -` prompt, one chat
+/// message): far more than any context holds (128k tokens are under 1 MB).
+pub const MAX_STDIN_BYTES: u64 = 64 << 20;
+
+/// The parser of a whole-number flag value in `range`: anything else (a
+/// negative number, one past the range however long, not a number) is a
+/// usage error that names the flag and the range. Flags using it also set
+/// `allow_negative_numbers`, so `-3` reaches it instead of reading as a flag.
+pub fn whole<T>(range: RangeInclusive<i64>) -> impl TypedValueParser<Value = T>
+where
+    T: TryFrom<i64> + Clone + Send + Sync + 'static,
+{
+    move |s: &str| -> std::result::Result<T, String> {
+        let (lo, hi) = (*range.start(), *range.end());
+        let digits = s.strip_prefix('-').unwrap_or(s);
+        if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(format!("`{s}` is not a whole number in {lo}..={hi}"));
+        }
+        // Too long for i64 is out of range too.
+        let v = s.parse::<i64>().ok().filter(|v| range.contains(v));
+        v.and_then(|v| T::try_from(v).ok())
+            .ok_or_else(|| format!("{s} is not in {lo}..={hi}"))
+    }
+}
+
+/// The parser of a real-number flag value `check` accepts; `what` says
+/// which values those are.
+fn real(what: &'static str, check: fn(f32) -> bool) -> impl TypedValueParser<Value = f32> {
+    move |s: &str| -> std::result::Result<f32, String> {
+        match s.trim().parse::<f32>() {
+            Ok(v) if check(v) => Ok(v),
+            _ => Err(format!("{s} is not {what}")),
+        }
+    }
+}
+
+/// The parser of `--revision`: a branch, tag or commit name that stays a
+/// plain name under the cache's `refs/` (checked before anything is read).
+fn revision(s: &str) -> std::result::Result<String, String> {
+    match hub::revision_problem(s) {
+        None => Ok(s.to_string()),
+        Some(why) => Err(format!("not a branch, tag or commit: {why}")),
+    }
+}
+
 /// Which model to run.
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
@@ -27,7 +83,7 @@ pub struct ModelArgs {
     pub model: String,
 
     /// Branch, tag or commit of a Hub model.
-    #[arg(long, default_value = "main")]
+    #[arg(long, default_value = "main", value_parser = revision)]
     pub revision: String,
 }
 
@@ -51,11 +107,12 @@ pub struct RunArgs {
     #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
     pub backend: BackendChoice,
 
-    /// KV-cache capacity in positions (prompt plus generated tokens).
-    /// Default on a GPU: the largest that fits its free memory, up to
-    /// max_position_embeddings; on the CPU: what the request needs
-    /// (generate) or min(max_position_embeddings, 8192) (chat).
-    #[arg(long, value_name = "POSITIONS")]
+    /// KV-cache capacity in positions (prompt plus generated tokens), at
+    /// most the model's maximum context. Default on a GPU: the largest that
+    /// fits its free memory, up to that maximum; on the CPU: what the
+    /// request needs (generate) or min(maximum, 8192) (chat).
+    #[arg(long, value_name = "POSITIONS", allow_negative_numbers = true,
+          value_parser = whole::<usize>(1..=MAX_POSITIONS))]
     pub context: Option<usize>,
 
     /// GPU backends: load this cubin (from `qwen-mk compile`) instead of
@@ -66,7 +123,7 @@ pub struct RunArgs {
     /// GPU backends: prompt positions per launch of the tensor-core prefill
     /// kernel (clamped to the context).
     #[arg(long, value_name = "POSITIONS", default_value_t = qmk_gpu::DEFAULT_PREFILL_CHUNK,
-          value_parser = clap::value_parser!(u32).range(1..))]
+          allow_negative_numbers = true, value_parser = whole::<u32>(1..=MAX_POSITIONS))]
     pub prefill_chunk: u32,
 
     /// GPU backends: feed the prompt one decode step per token instead of
@@ -82,30 +139,30 @@ pub struct RunArgs {
 /// Sampling and stopping.
 #[derive(Debug, Clone, Args)]
 pub struct SamplingArgs {
-    /// Upper bound on generated tokens.
-    #[arg(long, default_value_t = 256, value_name = "N")]
+    /// Upper bound on generated tokens (cut to what fits the context).
+    #[arg(long, default_value_t = 256, value_name = "N", allow_negative_numbers = true,
+          value_parser = whole::<usize>(1..=MAX_POSITIONS))]
     pub max_new_tokens: usize,
 
-    /// Softmax temperature; 0 (the default) is greedy decoding.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    /// Softmax temperature, finite and >= 0; 0 (the default) is greedy
+    /// decoding.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true,
+          value_parser = real("a finite number >= 0", |t| t.is_finite() && t >= 0.0))]
     pub temperature: f32,
 
     /// Sample only among the K most likely tokens (0: no limit).
-    #[arg(long, default_value_t = 0, value_name = "K")]
+    #[arg(long, default_value_t = 0, value_name = "K", allow_negative_numbers = true,
+          value_parser = whole::<usize>(0..=u32::MAX as i64))]
     pub top_k: usize,
 
     /// Sample only from the smallest set of tokens whose probability reaches
     /// P, in (0, 1].
-    #[arg(
-        long,
-        default_value_t = 1.0,
-        allow_negative_numbers = true,
-        value_name = "P"
-    )]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_name = "P",
+          value_parser = real("in (0, 1]", |p| p > 0.0 && p <= 1.0))]
     pub top_p: f32,
 
     /// Seed for sampling: the same seed gives the same tokens.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub seed: u64,
 
     /// Keep generating past the model's end-of-turn / end-of-text tokens.
@@ -122,10 +179,9 @@ impl SamplingArgs {
             top_p: self.top_p,
             seed: self.seed,
         };
+        // The parser has checked each value; the engine's check stays the
+        // authority on what the sampler accepts.
         s.validate().map_err(engine_error)?;
-        if self.max_new_tokens == 0 {
-            bail!("invalid value for --max-new-tokens: 0 (must be at least 1)");
-        }
         Ok(s)
     }
 
@@ -187,8 +243,22 @@ impl Model {
 
     /// Renders a conversation and tokenizes it (no special tokens added: the
     /// template carries them).
+    /// A template that renders nothing (or only blanks) is an error naming
+    /// it, not an empty prompt.
     pub fn encode_chat(&self, template: &ChatTemplate, messages: &[Message]) -> Result<Vec<u32>> {
         let text = template.render(messages, true)?;
+        if text.trim().is_empty() {
+            bail!(
+                "{}: chat template: rendered an empty prompt{} for {} message(s)",
+                template.origin(),
+                if text.is_empty() {
+                    ""
+                } else {
+                    " (only blanks)"
+                },
+                messages.len()
+            );
+        }
         Ok(self.tokenizer.encode(&text)?)
     }
 
@@ -255,9 +325,6 @@ pub fn plan_context(
 ) -> Result<(usize, usize)> {
     let (model_max, max_name) = model_context(config);
     if let Some(c) = context {
-        if c == 0 {
-            bail!("invalid value for --context: 0 (must be at least 1)");
-        }
         if c > model_max {
             bail!("--context {c} exceeds the model's {max_name} ({model_max})");
         }
@@ -470,23 +537,6 @@ pub fn engine_error(e: EngineError) -> anyhow::Error {
         }
         other => anyhow!("{other}"),
     }
-}
-
-/// An error and its causes as one message without repeats (library errors
-/// often print their source inside their own message too).
-pub fn one_line(e: anyhow::Error) -> anyhow::Error {
-    let mut line = String::new();
-    for cause in e.chain() {
-        let t = cause.to_string();
-        if line.contains(&t) {
-            continue;
-        }
-        if !line.is_empty() {
-            line.push_str(": ");
-        }
-        line.push_str(&t);
-    }
-    anyhow!(line)
 }
 
 /// The closing stats line.

@@ -43,8 +43,8 @@ pub fn run(a: CompileArgs) -> Result<()> {
         .output
         .unwrap_or_else(|| PathBuf::from(format!("qwen-mk-{name}-{arch}.cubin")));
     cubin.write(&out)?;
-    println!(
-        "{}: {} bytes for {arch}, fingerprint {:#018x}, {} barriers/step, {} B dynamic smem",
+    let mut text = format!(
+        "{}: {} bytes for {arch}, fingerprint {:#018x}, {} barriers/step, {} B dynamic smem\n",
         out.display(),
         cubin.bytes.len(),
         build.fingerprint,
@@ -52,7 +52,7 @@ pub fn run(a: CompileArgs) -> Result<()> {
         build.smem_bytes
     );
     for r in cubin.resources() {
-        println!("  {r}");
+        text.push_str(&format!("  {r}\n"));
     }
-    Ok(())
+    crate::output::print(&text)
 }

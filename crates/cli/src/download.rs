@@ -8,7 +8,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use crate::common::{one_line, ModelArgs};
+use crate::common::ModelArgs;
+use crate::output::print;
 use crate::ui::Ui;
 
 /// Download a model from the Hugging Face Hub (checked) and print its directory.
@@ -27,22 +28,19 @@ pub struct DownloadArgs {
 }
 
 pub fn run(args: DownloadArgs) -> Result<()> {
-    run_inner(args).map_err(one_line)
-}
-
-fn run_inner(args: DownloadArgs) -> Result<()> {
     let ui = Ui::new(args.quiet);
     let dir = crate::common::locate(&args.model.model, &args.model.revision, &ui)?;
     let Some(out) = args.out else {
-        println!("{}", dir.display());
-        return Ok(());
+        return print(&format!("{}\n", dir.display()));
     };
     if out.exists() && !out.is_dir() {
         bail!("--out {}: exists and is not a directory", out.display());
     }
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
-    for entry in std::fs::read_dir(&dir).with_context(|| format!("{}", dir.display()))? {
-        let entry = entry?;
+    let list =
+        |e: std::io::Error| anyhow::Error::new(e).context(format!("cannot list {}", dir.display()));
+    for entry in std::fs::read_dir(&dir).map_err(list)? {
+        let entry = entry.map_err(list)?;
         let src = entry.path();
         // Snapshot entries are links into the blob store: copy the bytes.
         if !src.is_file() {
@@ -52,6 +50,5 @@ fn run_inner(args: DownloadArgs) -> Result<()> {
         std::fs::copy(&src, &dst)
             .with_context(|| format!("cannot copy {} to {}", src.display(), dst.display()))?;
     }
-    println!("{}", out.display());
-    Ok(())
+    print(&format!("{}\n", out.display()))
 }

@@ -9,9 +9,10 @@ use qmk_engine::{Backend, Engine, StopReason};
 use qmk_model::chat::Message;
 
 use crate::common::{
-    choose_target, engine_error, fit_request, open_backend, plan_context, stats_line, Model,
-    ModelArgs, RunArgs, SamplingArgs,
+    choose_target, engine_error, fit_request, open_backend, plan_context, stats_line, whole, Model,
+    ModelArgs, RunArgs, SamplingArgs, MAX_STDIN_BYTES, MAX_TOP_LOGPROBS,
 };
+use crate::output::{eprint_line, stdout_error};
 use crate::ui::Ui;
 
 /// Generate text from one prompt.
@@ -43,17 +44,14 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub json: bool,
 
-    /// With --json, add the N most likely tokens and their log-probabilities
-    /// at every generated position ("top_logprobs").
-    #[arg(long, value_name = "N", requires = "json", default_value_t = 0)]
+    /// With --json, add the N most likely tokens (N at most 20) and their
+    /// log-probabilities at every generated position ("top_logprobs").
+    #[arg(long, value_name = "N", requires = "json", default_value_t = 0,
+          allow_negative_numbers = true, value_parser = whole::<usize>(0..=MAX_TOP_LOGPROBS))]
     pub top_logprobs: usize,
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    run_inner(args).map_err(crate::common::one_line)
-}
-
-fn run_inner(args: GenerateArgs) -> Result<()> {
     let ui = Ui::new(args.run.quiet);
     // Everything that can be checked without the model first.
     let prompt = read_prompt(&args.prompt)?;
@@ -129,21 +127,19 @@ fn run_inner(args: GenerateArgs) -> Result<()> {
         return Err(e.into());
     }
     if let Some(e) = write_err {
-        // A closed pipe (`| head`) ends the run quietly.
-        if e.kind() == std::io::ErrorKind::BrokenPipe {
-            return Ok(());
-        }
-        return Err(e).context("cannot write to stdout");
+        // A closed pipe (`| head`) ends the run quietly (output::finish).
+        return Err(stdout_error(e));
     }
 
+    let mut text = String::new();
     if args.json {
-        let text = model.tokenizer.decode(&generation.output_ids, true)?;
+        let decoded = model.tokenizer.decode(&generation.output_ids, true)?;
         let mut obj = serde_json::json!({
             "model": model.name,
             "backend": backend_name,
             "prompt_ids": generation.prompt_ids,
             "output_ids": generation.output_ids,
-            "text": text,
+            "text": decoded,
             "prefill_ms": generation.prefill.as_secs_f64() * 1e3,
             "decode_tok_per_s": generation.decode_tok_per_s(),
             "stop": match generation.stop {
@@ -156,27 +152,38 @@ fn run_inner(args: GenerateArgs) -> Result<()> {
             let top = engine.backend_mut().take_top_logprobs();
             obj["top_logprobs"] = serde_json::to_value(top)?;
         }
-        writeln!(out, "{obj}").context("cannot write to stdout")?;
-    } else {
-        if let Some(rest) = stream.as_mut().map(|d| d.flush()).transpose()?.flatten() {
-            let _ = out.write_all(rest.as_bytes());
-        }
-        let _ = writeln!(out);
+        text = obj.to_string();
+    } else if let Some(rest) = stream.as_mut().map(|d| d.flush()).transpose()?.flatten() {
+        text = rest;
     }
-    let _ = out.flush();
+    text.push('\n');
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(stdout_error)?;
     if !ui.quiet() {
-        eprintln!("{}", stats_line(&generation, backend_name));
+        eprint_line(&stats_line(&generation, backend_name));
     }
     Ok(())
 }
 
+/// The prompt: `arg` itself, or stdin for `-` (at most [`MAX_STDIN_BYTES`],
+/// so an endless stdin is refused after that much, not read until memory
+/// runs out).
 fn read_prompt(arg: &str) -> Result<String> {
     if arg != "-" {
         return Ok(arg.to_string());
     }
-    let mut s = String::new();
+    let mut bytes = Vec::new();
     std::io::stdin()
-        .read_to_string(&mut s)
+        .lock()
+        .take(MAX_STDIN_BYTES + 1)
+        .read_to_end(&mut bytes)
         .context("cannot read the prompt from stdin")?;
-    Ok(s)
+    if bytes.len() as u64 > MAX_STDIN_BYTES {
+        bail!(
+            "the prompt on stdin (--prompt -) is longer than {} MiB",
+            MAX_STDIN_BYTES >> 20
+        );
+    }
+    String::from_utf8(bytes).context("the prompt on stdin (--prompt -) is not UTF-8 text")
 }

@@ -47,6 +47,7 @@ use hf_hub::{Repo, RepoType};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
+pub use paths::revision_problem;
 pub use transfer::NetConfig;
 use transfer::{Failure, GetError, Net};
 

@@ -1,6 +1,7 @@
 //! `qwen-mk`: a thin command line over the engine. One module per command;
 //! each exposes an `Args` struct (clap derive) and `run(args) ->
-//! anyhow::Result<()>`. Errors print as one `error: ...` line, exit code 1.
+//! anyhow::Result<()>`. Errors print as one `error: ...` line; the exit
+//! codes are in [`output`].
 
 mod backend;
 mod bench;
@@ -11,13 +12,14 @@ mod download;
 mod generate;
 mod gpu;
 mod hub;
+mod output;
 mod plan;
 mod synth;
 mod ui;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(name = "qwen-mk", version, about = "Qwen2.5 decode megakernel engine")]
@@ -46,7 +48,11 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    quiet_template_engine_panics();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return output::parse_failed(e, &Cli::command()),
+    };
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Chat(a) => chat::run(a),
@@ -56,12 +62,21 @@ fn main() -> ExitCode {
         Command::Compile(a) => compile::run(a),
         Command::WriteSynthetic(a) => synth::run(a),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            // `{:#}` joins the context chain on one line.
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+    output::finish(result)
+}
+
+/// The chat-template library turns a panic inside the template engine
+/// (minijinja, on a hostile template) into an error, which the user sees as
+/// one line; the default hook would print the panic on stderr first. Any
+/// other panic is reported as usual.
+fn quiet_template_engine_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let in_engine = info
+            .location()
+            .is_some_and(|l| l.file().contains("minijinja"));
+        if !in_engine {
+            default(info);
         }
-    }
+    }));
 }

@@ -23,7 +23,8 @@ pub struct PlanArgs {
     #[arg(long)]
     pub json: bool,
     /// KV-cache positions to size device memory for.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, allow_negative_numbers = true,
+          value_parser = crate::common::whole::<u32>(1..=crate::common::MAX_POSITIONS))]
     pub context: u32,
     /// Device memory to find the largest context for: bytes, or with a unit
     /// (141GB, 139.8GiB). Default: an H200's 150,109,880,320 bytes.
@@ -169,10 +170,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
             per_decode_step_bytes: bytes.per_decode_step,
             memory,
         };
-        println!("{}", serde_json::to_string(&out)?);
+        crate::output::print(&format!("{}\n", serde_json::to_string(&out)?))
     } else {
-        print!("{}", render(&label, &config, &plan, &bytes)?);
-        println!(
+        let mut text = render(&label, &config, &plan, &bytes)?;
+        writeln!(
+            text,
             "device memory at {} positions: {} (weights {} + KV cache {} + scratch {}); \
              host memory the weights stream through: {}",
             memory.context,
@@ -181,20 +183,22 @@ pub fn run(args: PlanArgs) -> Result<()> {
             bytes_str(memory.kv_cache_bytes),
             bytes_str(memory.scratch_bytes),
             bytes_str(memory.host_staging_bytes)
-        );
+        )?;
         let max = config.max_context();
         match memory.largest_context {
-            Some(c) => println!(
+            Some(c) => writeln!(
+                text,
                 "largest context in {} of device memory: {c} positions (model maximum {max})",
                 bytes_str(memory.device_memory)
-            ),
-            None => println!(
+            )?,
+            None => writeln!(
+                text,
                 "largest context in {} of device memory: none, the model does not fit",
                 bytes_str(memory.device_memory)
-            ),
+            )?,
         }
+        crate::output::print(&text)
     }
-    Ok(())
 }
 
 /// `6.79 GB (6794772480 bytes)`, `491.52 kB (491520 bytes)`: decimal units,

@@ -69,10 +69,11 @@ impl Ui {
         bar
     }
 
-    /// A one-line note on stderr, unless quiet.
+    /// A one-line note on stderr, unless quiet (never fatal: see
+    /// [`crate::output::eprint_line`]).
     pub fn note(&self, msg: impl AsRef<str>) {
         if !self.quiet {
-            eprintln!("{}", msg.as_ref());
+            crate::output::eprint_line(msg.as_ref());
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Every user error of `generate` / `chat` exits 1 with one readable
-//! `error:` line (no panic, no backtrace). Hub errors (unknown model, no
-//! network, offline cache miss, bad downloads) are in hub_loopback.rs.
+//! `error:` line (no panic, no backtrace). Usage errors (exit 2) and output
+//! streams are in cli_exit_codes.rs; Hub errors (unknown model, no network,
+//! offline cache miss, bad downloads) in hub_loopback.rs.
 
 mod support;
 
@@ -53,16 +54,17 @@ fn prompt_longer_than_the_context() {
 #[test]
 fn invalid_sampling_values() {
     let Some(m) = dir() else { return };
-    for (flag, value, field) in [
-        ("--temperature", "-1", "temperature"),
-        ("--temperature", "NaN", "temperature"),
-        ("--temperature", "inf", "temperature"),
-        ("--top-p", "0", "top_p"),
-        ("--top-p", "1.5", "top_p"),
-        ("--top-p", "-0.5", "top_p"),
-        ("--max-new-tokens", "0", "--max-new-tokens"),
+    // Usage errors (exit 2), naming the flag and the values it takes.
+    for (flag, value, range) in [
+        ("--temperature", "-1", "finite number >= 0"),
+        ("--temperature", "NaN", "finite number >= 0"),
+        ("--temperature", "inf", "finite number >= 0"),
+        ("--top-p", "0", "(0, 1]"),
+        ("--top-p", "1.5", "(0, 1]"),
+        ("--top-p", "-0.5", "(0, 1]"),
+        ("--max-new-tokens", "0", "1..="),
     ] {
-        gen(&m, &["--prompt", "Hi", flag, value]).assert_error(&["invalid", field]);
+        gen(&m, &["--prompt", "Hi", flag, value]).assert_usage_error(&[flag, value, range]);
     }
     // Checked before anything is downloaded or loaded: a model that does
     // not exist is not even looked at.
@@ -75,7 +77,7 @@ fn invalid_sampling_values() {
         "--top-p",
         "2",
     ])
-    .assert_error(&["top_p"]);
+    .assert_usage_error(&["--top-p"]);
 }
 
 #[test]
@@ -156,7 +158,8 @@ fn out_of_memory_is_refused_before_allocating() {
         return;
     };
     let d = tmp.path().to_str().unwrap();
-    let ctx = (1u64 << 45).to_string();
+    // The largest context the flag takes: ~1.2 TB of KV cache here.
+    let ctx = u32::MAX.to_string();
     run(&[
         "generate",
         "--model",
@@ -183,7 +186,7 @@ fn out_of_device_memory() {
         return;
     }
     let d = tmp.path().to_str().unwrap();
-    let ctx = (1u64 << 45).to_string();
+    let ctx = u32::MAX.to_string();
     let r = run(&[
         "generate",
         "--model",
@@ -236,4 +239,86 @@ fn missing_cubin_file() {
     let Some(m) = dir() else { return };
     gen(&m, &["--prompt", "Hi", "--cubin", "/no/such.cubin"])
         .assert_error(&["--cubin", "no such file"]);
+}
+
+/// A copy of the tiny model in a temporary directory.
+fn model_copy() -> Option<tempfile::TempDir> {
+    let m = dir()?;
+    let tmp = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&m).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
+    }
+    Some(tmp)
+}
+
+#[test]
+fn template_errors_are_one_line_naming_file_and_line() {
+    let Some(tmp) = model_copy() else { return };
+    let d = tmp.path().to_str().unwrap();
+    let file = tmp.path().join("chat_template.jinja");
+    let path = file.to_str().unwrap();
+    let go = |src: &str| {
+        std::fs::write(&file, src).unwrap();
+        gen(d, &["--prompt", "Hi"])
+    };
+    // Before: minijinja's display over 7 lines (a source excerpt).
+    let r = go("{% for m in messages %}\n{{ m.content }}\n{% if %}\n{% endfor %}\n");
+    r.assert_error(&[path, "does not compile", "syntax error at line 3"]);
+    r.assert_one_error_line(&[]);
+    // A render error, its message holding a line break.
+    let r = go("{% for m in messages %}\n{{ raise_exception('no\\nsystem role') }}{% endfor %}");
+    r.assert_error(&[path, "render failed", "at line 2", "no system role"]);
+    r.assert_one_error_line(&[]);
+    // A panic inside the template engine (caught by the library) prints
+    // nothing but the error line.
+    let r = go("{% for in ['a'] * 0000002000 %}x in ['a'] * 0000002000 %}{% endfor %}");
+    if r.code != 0 {
+        assert_eq!(r.code, 1, "{r:#?}");
+        r.assert_one_error_line(&[path]);
+    }
+    // chat reports the same line.
+    std::fs::write(&file, "{% if %}").unwrap();
+    let r = support::qwen_mk(
+        &["chat", "--model", d, "--backend", "cpu"],
+        &[],
+        "Hi\n",
+        std::time::Duration::from_secs(120),
+    );
+    r.assert_error(&[path, "does not compile", "at line 1"]);
+    r.assert_one_error_line(&[]);
+}
+
+#[test]
+fn template_rendering_nothing_says_so() {
+    let Some(tmp) = model_copy() else { return };
+    let d = tmp.path().to_str().unwrap();
+    let file = tmp.path().join("chat_template.jinja");
+    let path = file.to_str().unwrap();
+    // Before: "empty prompt: the text encodes to no tokens".
+    for (src, needles) in [
+        (
+            "{% if false %}x{% endif %}",
+            &[path, "rendered an empty prompt"][..],
+        ),
+        (
+            "{% for m in messages %} {% endfor %}\n",
+            &[path, "only blanks"],
+        ),
+    ] {
+        std::fs::write(&file, src).unwrap();
+        let r = gen(d, &["--prompt", "Hi"]);
+        r.assert_error(needles);
+        assert!(!r.stderr.contains("encodes to no tokens"), "{r:#?}");
+    }
+    std::fs::write(&file, "").unwrap();
+    let r = support::qwen_mk(
+        &["chat", "--model", d, "--backend", "cpu"],
+        &[],
+        "Hi\n",
+        std::time::Duration::from_secs(120),
+    );
+    r.assert_error(&[path, "rendered an empty prompt"]);
+    // --raw does not use the template.
+    gen(d, &["--prompt", "Hi", "--raw", "--max-new-tokens", "1"]).assert_ok();
 }

@@ -523,7 +523,7 @@ fn revision_escaping_the_cache_is_refused_before_any_request() {
     for rev in ["../../../../escape", absolute, "a/../../escape", "a\\b"] {
         for offline in [false, true] {
             let r = generate_rev(ID, rev, &server.url, &home, offline, &[]);
-            r.assert_error(&["--revision", "not a branch, tag or commit"]);
+            r.assert_usage_error(&["--revision", "not a branch, tag or commit"]);
         }
     }
     assert!(server.log().is_empty(), "{:#?}", server.log());
@@ -829,4 +829,41 @@ fn damaged_link_to_a_file_outside_the_cache_never_deletes_that_file() {
             repo.files["model.safetensors"]
         );
     }
+}
+
+/// True when this process can create files in `dir` despite its mode (root
+/// ignores permission bits).
+#[cfg(unix)]
+fn mode_is_ignored(dir: &Path) -> bool {
+    let probe = dir.join(".probe");
+    let ok = std::fs::write(&probe, b"x").is_ok();
+    let _ = std::fs::remove_file(&probe);
+    ok
+}
+
+#[cfg(unix)]
+#[test]
+fn an_unwritable_cache_is_an_error_naming_the_path() {
+    use std::os::unix::fs::PermissionsExt;
+    let Some(m) = tiny_model() else { return };
+    let server = HubServer::start(vec![HubRepo::from_dir(ID, m)], &[]);
+    let top = tempfile::tempdir().unwrap();
+    // HF_HOME below a regular file: every directory under it fails to be
+    // created (ENOTDIR), whoever runs the test.
+    let file = top.path().join("a-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let home = file.join("hf");
+    let r = generate(ID, &server.url, &home, false);
+    r.assert_error(&[home.to_str().unwrap(), "Not a directory"]);
+    // A read-only HF_HOME ("Permission denied" without a path, before).
+    let ro = top.path().join("read-only");
+    std::fs::create_dir(&ro).unwrap();
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+    if mode_is_ignored(&ro) {
+        eprintln!("SKIP: running as root, a read-only directory is writable here");
+        return;
+    }
+    let r = generate(ID, &server.url, &ro, false);
+    std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o755)).unwrap();
+    r.assert_error(&[ro.to_str().unwrap(), "Permission denied"]);
 }

@@ -233,7 +233,7 @@ impl ChatTemplate {
             env.add_template_owned(TEMPLATE_NAME, source.clone())
                 .map_err(|e| ModelError::ChatTemplate {
                     origin: origin.clone(),
-                    message: format!("does not compile: {e:#}"),
+                    message: format!("does not compile: {}", jinja_line(&e)),
                 })
         })?;
         Ok(Self {
@@ -354,9 +354,49 @@ impl ChatTemplate {
     fn err(&self, e: JinjaError) -> ModelError {
         ModelError::ChatTemplate {
             origin: self.origin.clone(),
-            message: format!("render failed: {e:#}"),
+            message: format!("render failed: {}", jinja_line(&e)),
         }
     }
+
+    /// Where the template came from (a file, or the name given to
+    /// [`ChatTemplate::new`]).
+    pub fn origin(&self) -> &str {
+        &self.origin
+    }
+}
+
+/// A template engine error as one line: `kind at line N: detail`, then its
+/// causes. minijinja's own display names the template by its internal name
+/// (`in chat:3`) and, in the alternate form, adds a source excerpt over
+/// several lines; the line here is the template's own (the file's, for a
+/// `.jinja` file). Line breaks inside a detail (a `raise_exception` message)
+/// become spaces.
+fn jinja_line(e: &JinjaError) -> String {
+    let mut line = e.kind().to_string();
+    if let Some(n) = e.line().filter(|&n| n > 0) {
+        line.push_str(&format!(" at line {n}"));
+    }
+    if let Some(d) = e.detail() {
+        line.push_str(": ");
+        line.push_str(d);
+    }
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        let text = match c.downcast_ref::<JinjaError>() {
+            Some(j) => jinja_line(j),
+            None => c.to_string(),
+        };
+        if !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+        cause = c.source();
+        if c.is::<JinjaError>() {
+            // jinja_line of a nested engine error already walked its causes.
+            break;
+        }
+    }
+    line.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 /// Runs `f`, turning a panic inside it (minijinja's, on hostile input) into
@@ -987,6 +1027,38 @@ mod tests {
         .unwrap();
         let e = t.render(&[], false).unwrap_err().to_string();
         assert!(e.contains("no system role"), "{e}");
+    }
+
+    #[test]
+    fn template_errors_are_one_line_with_the_template_line() {
+        // minijinja's alternate display spans several lines (a source
+        // excerpt) and names the template by its internal name.
+        let e = ChatTemplate::new(
+            "a\nb\n{% if %}\nc",
+            "/m/chat_template.jinja",
+            BTreeMap::new(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            e,
+            "/m/chat_template.jinja: chat template: does not compile: syntax error at line 3: \
+             unexpected end of block"
+        );
+        let t = ChatTemplate::new(
+            "x\n{{ raise_exception('no\\n  system role') }}",
+            "t",
+            BTreeMap::new(),
+        )
+        .unwrap();
+        let e = t.render(&[], false).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "t: chat template: render failed: invalid operation at line 2: no system role"
+        );
+        let e = t.render(&[], false).unwrap_err();
+        assert!(matches!(e, ModelError::ChatTemplate { .. }), "{e:?}");
+        assert_eq!(t.origin(), "t");
     }
 
     #[test]

@@ -43,7 +43,15 @@ pub fn etag(raw: &str) -> Option<String> {
 /// as a path under `refs/`, so it must stay a plain relative path there.
 /// Git's own ref-name rules forbid all of these too.
 pub fn check_revision(rev: &str) -> Result<()> {
-    let why = if rev.is_empty() {
+    match revision_problem(rev) {
+        Some(why) => bail!("--revision {rev:?} is not a branch, tag or commit: {why}"),
+        None => Ok(()),
+    }
+}
+
+/// Why `rev` cannot be a revision name ([`check_revision`]), if it cannot.
+pub fn revision_problem(rev: &str) -> Option<&'static str> {
+    if rev.is_empty() {
         Some("it is empty")
     } else if rev.len() > 255 {
         Some("it is longer than 255 bytes")
@@ -60,10 +68,6 @@ pub fn check_revision(rev: &str) -> Result<()> {
         Some("a part of it is empty or starts with `.`")
     } else {
         None
-    };
-    match why {
-        Some(why) => bail!("--revision {rev:?} is not a branch, tag or commit: {why}"),
-        None => Ok(()),
     }
 }
 

@@ -109,6 +109,30 @@ impl Run {
         }
     }
 
+    /// Exit 2 (a usage error) with stderr exactly one `error: ...` line
+    /// that contains every one of `needles`, nothing on stdout, no panic.
+    pub fn assert_usage_error(&self, needles: &[&str]) {
+        assert_eq!(self.code, 2, "expected exit 2: {self:#?}");
+        self.assert_one_error_line(needles);
+        assert_eq!(self.stdout, "", "{self:#?}");
+    }
+
+    /// stderr is exactly one line, an `error: ...` containing every one of
+    /// `needles` (no notes, no panic message, no usage block).
+    pub fn assert_one_error_line(&self, needles: &[&str]) {
+        let lines: Vec<&str> = self.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "expected one stderr line: {self:#?}");
+        assert!(lines[0].starts_with("error: "), "{self:#?}");
+        eprintln!("{}", lines[0]);
+        for n in needles {
+            assert!(
+                lines[0].contains(n),
+                "error line lacks `{n}`: {:?}\n{self:#?}",
+                lines[0]
+            );
+        }
+    }
+
     pub fn assert_ok(&self) {
         assert_eq!(self.code, 0, "expected success: {self:#?}");
     }
@@ -119,14 +143,11 @@ impl Run {
     }
 }
 
-/// Runs `qwen-mk args...` with the HF_* environment cleared, `env` added,
-/// HOME pointing at an empty place, `stdin` fed, and a deadline.
-pub fn qwen_mk(args: &[&str], env: &[(&str, &str)], stdin: &str, timeout: Duration) -> Run {
+/// `qwen-mk args...` with the HF_* environment cleared, `env` added and
+/// HOME pointing at an empty place; stdio as the caller sets it.
+pub fn command(args: &[&str], env: &[(&str, &str)]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_qwen-mk"));
-    cmd.args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    cmd.args(args);
     for k in [
         "HF_ENDPOINT",
         "HF_HOME",
@@ -151,6 +172,33 @@ pub fn qwen_mk(args: &[&str], env: &[(&str, &str)], stdin: &str, timeout: Durati
     for (k, v) in env {
         cmd.env(k, v);
     }
+    cmd
+}
+
+/// Waits for `child`, killing it after `timeout` (a hang guard); the exit
+/// code, or `None` when it had to be killed.
+pub fn wait_with_deadline(child: &mut std::process::Child, timeout: Duration) -> Option<i32> {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s.code().unwrap_or(-1));
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Runs `qwen-mk args...` with the HF_* environment cleared, `env` added,
+/// HOME pointing at an empty place, `stdin` fed, and a deadline.
+pub fn qwen_mk(args: &[&str], env: &[(&str, &str)], stdin: &str, timeout: Duration) -> Run {
+    let mut cmd = command(args, env);
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     let mut child = cmd.spawn().expect("spawn qwen-mk");
     {
         use std::io::Write;
@@ -171,25 +219,14 @@ pub fn qwen_mk(args: &[&str], env: &[(&str, &str)], stdin: &str, timeout: Durati
     };
     let out_t = read_all(Box::new(out_pipe));
     let err_t = read_all(Box::new(err_pipe));
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break Some(s);
-        }
-        if start.elapsed() > timeout {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let code = wait_with_deadline(&mut child, timeout);
     let stdout = out_t.join().unwrap();
     let stderr = err_t.join().unwrap();
-    let Some(status) = status else {
+    let Some(code) = code else {
         panic!("qwen-mk {args:?} timed out after {timeout:?}\nstdout: {stdout}\nstderr: {stderr}");
     };
     Run {
-        code: status.code().unwrap_or(-1),
+        code,
         stdout,
         stderr,
     }
@@ -198,4 +235,107 @@ pub fn qwen_mk(args: &[&str], env: &[(&str, &str)], stdin: &str, timeout: Durati
 /// Shorthand: no extra env, no stdin, 120 s.
 pub fn run(args: &[&str]) -> Run {
     qwen_mk(args, &[], "", Duration::from_secs(120))
+}
+
+/// Where [`run_redirected`] sends stdout or stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sink {
+    /// A pipe the test reads (the text lands in [`Run`]).
+    Capture,
+    /// `/dev/full`: every write fails with ENOSPC (`> /dev/full`).
+    Full,
+    /// A pipe whose reader is gone before the program starts: every write
+    /// fails with EPIPE (`| true`, `| head -c 0`).
+    ClosedPipe,
+}
+
+impl Sink {
+    /// The file or pipe end the child gets; `None` for [`Sink::Capture`].
+    fn open(self) -> Option<Stdio> {
+        match self {
+            Sink::Capture => None,
+            Sink::Full => Some(Stdio::from(
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open("/dev/full")
+                    .expect("/dev/full (Linux)"),
+            )),
+            Sink::ClosedPipe => {
+                use std::os::fd::FromRawFd;
+                let mut fds = [0 as libc::c_int; 2];
+                // SAFETY: pipe(2) writes two new descriptors into `fds`;
+                // each is owned by exactly one File from here on.
+                assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+                let (reader, writer) = unsafe {
+                    (
+                        std::fs::File::from_raw_fd(fds[0]),
+                        std::fs::File::from_raw_fd(fds[1]),
+                    )
+                };
+                drop(reader);
+                Some(Stdio::from(writer))
+            }
+        }
+    }
+}
+
+/// Runs `qwen-mk args...` (environment as in [`qwen_mk`]) with stdin from
+/// `stdin` (a file, e.g. `/dev/zero`, or empty), stdout and stderr sent to
+/// `stdout` / `stderr`, and the runner's deadline. Streams not captured read
+/// as "".
+pub fn run_redirected(args: &[&str], stdin: Option<&Path>, stdout: Sink, stderr: Sink) -> Run {
+    let mut cmd = command(args, &[]);
+    cmd.stdin(match stdin {
+        Some(p) => Stdio::from(std::fs::File::open(p).unwrap()),
+        None => Stdio::null(),
+    });
+    cmd.stdout(stdout.open().unwrap_or_else(Stdio::piped));
+    cmd.stderr(stderr.open().unwrap_or_else(Stdio::piped));
+    let mut child = cmd.spawn().expect("spawn qwen-mk");
+    // The parent's copies of the redirected ends are closed by now (moved
+    // into the Command, dropped with it).
+    drop(cmd);
+    let read_all = |p: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut s = Vec::new();
+            if let Some(mut p) = p {
+                let _ = p.read_to_end(&mut s);
+            }
+            String::from_utf8_lossy(&s).into_owned()
+        })
+    };
+    let out_t = read_all(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
+    );
+    let err_t = read_all(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn std::io::Read + Send>),
+    );
+    let code = wait_with_deadline(&mut child, Duration::from_secs(120));
+    let (stdout, stderr) = (out_t.join().unwrap(), err_t.join().unwrap());
+    let Some(code) = code else {
+        panic!("qwen-mk {args:?} timed out\nstdout: {stdout}\nstderr: {stderr}");
+    };
+    Run {
+        code,
+        stdout,
+        stderr,
+    }
+}
+
+impl Run {
+    /// No panic: exit code not 101, no panic message or backtrace.
+    pub fn assert_no_panic(&self) {
+        assert_ne!(self.code, 101, "panicked: {self:#?}");
+        assert!(!self.stderr.contains("panicked"), "panic: {self:#?}");
+        assert!(
+            !self.stderr.contains("stack backtrace"),
+            "backtrace: {self:#?}"
+        );
+    }
 }
