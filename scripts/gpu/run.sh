@@ -72,7 +72,7 @@ if [[ ${1:-} == build ]]; then
   fi
   stage=$(mktemp -d)
   cargo build -p qwen-mk --release --features cust
-  cp target/release/qwen-mk "$stage/qwen-mk"
+  cp "${CARGO_TARGET_DIR:-target}/release/qwen-mk" "$stage/qwen-mk"
   for spec in $TEST_PROGRAMS; do
     pkg=${spec%%:*} t=${spec#*:}
     exe=$(cargo test -p "$pkg" --release --test "$t" --no-run --message-format=json 2>/dev/null \
