@@ -67,7 +67,8 @@ pub struct BenchArgs {
     /// without the sequence split, 64 the split forced).
     #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     kernel_flags: u32,
-    /// Size of the streaming-read buffer for the floor, GiB (1 to 1024).
+    /// Size of the streaming-read buffer for the floor, GiB (1 to 1024;
+    /// shrunk to the free device memory, down to 1 GiB).
     #[arg(long, default_value_t = 4, allow_negative_numbers = true,
           value_parser = whole::<u64>(1..=MAX_STREAM_GIB))]
     stream_gib: u64,

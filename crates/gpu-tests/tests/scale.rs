@@ -423,31 +423,46 @@ fn gpu_run_streamed<D: Driver>(
 /// The streamed CPU reference on the tokens a GPU run fed, in one pass:
 /// every row's logits against the GPU's, every row's argmax against the
 /// GPU's pick (equal picks on equal inputs: the greedy runs are the same).
+///
+/// `memo` keeps the last pass (tokens fed and logits `[T, V]`): a run of
+/// the same model that fed the same first tokens is compared on those rows
+/// without a second pass (a row's logits depend only on the tokens up to
+/// it); a wrong pick ends the comparison there anyway.
 fn check_streamed(
     label: &str,
     source: &SyntheticSource,
     fed: &[u32],
     picks: &[u32],
     logits: &[Vec<f32>],
+    memo: &mut Option<(Vec<u32>, Vec<f32>)>,
 ) -> (f64, bool) {
-    let t = Instant::now();
-    let mut cpu = StreamedReference::new(
-        source.config(),
-        source.seed(),
-        ReferenceOptions::new(fed.len()).kv_bf16(true),
-    )
-    .unwrap();
-    let all = cpu.forward(fed, 0, Logits::All).unwrap(); // [T, V]
     let v = source.config().vocab_size;
-    println!(
-        "{label}: streamed CPU reference, {} rows in {:.1} s, {:.2} GB of weights held at most, peak RSS {}",
-        fed.len(),
-        t.elapsed().as_secs_f64(),
-        cpu.peak_weight_bytes() as f64 / 1e9,
-        peak_rss()
-    );
+    let reuse = memo
+        .as_ref()
+        .is_some_and(|(f, _)| f.len() == fed.len() && f[0] == fed[0]);
+    if !reuse {
+        let t = Instant::now();
+        let mut cpu = StreamedReference::new(
+            source.config(),
+            source.seed(),
+            ReferenceOptions::new(fed.len()).kv_bf16(true),
+        )
+        .unwrap();
+        let all = cpu.forward(fed, 0, Logits::All).unwrap(); // [T, V]
+        println!(
+            "{label}: streamed CPU reference, {} rows in {:.1} s, {:.2} GB of weights held at most, peak RSS {}",
+            fed.len(),
+            t.elapsed().as_secs_f64(),
+            cpu.peak_weight_bytes() as f64 / 1e9,
+            peak_rss()
+        );
+        *memo = Some((fed.to_vec(), all));
+    }
+    let (memo_fed, all) = memo.as_ref().unwrap();
+    // Rows whose inputs the reference pass saw.
+    let rows = fed.iter().zip(memo_fed).take_while(|(a, b)| a == b).count();
     let (mut worst, mut equal) = (0f64, true);
-    for (pos, row) in all.chunks(v).enumerate() {
+    for (pos, row) in all.chunks(v).take(rows).enumerate() {
         let e = rel_err(&logits[pos], row);
         let want = argmax(row);
         worst = worst.max(e);
@@ -497,7 +512,7 @@ fn scale_72b() {
     // Bit-identical runs share one CPU pass (72B of weights regenerated).
     let checked = if identical { &runs[..1] } else { &runs[..] };
     for (label, fed, picks, logits) in checked {
-        let (err, ok) = check_streamed(label, &source, fed, picks, logits);
+        let (err, ok) = check_streamed(label, &source, fed, picks, logits, &mut None);
         println!("{label}: RESULT {GREEDY_72B} greedy steps, ids equal {ok}, max rel err {err:.3e}, cudarc == cust bit-identical {identical}");
         assert!(ok, "{label}: greedy ids differ from the CPU reference");
         assert!(err <= TOL, "{label}: logits error {err:.3e} over {TOL}");
@@ -542,11 +557,12 @@ fn bisect_72b() {
             c.num_hidden_layers = n;
             let source = SyntheticSource::new(&c, SEED).unwrap();
             let plan = unsplit(&c, group);
+            let mut memo = None;
             for (name, plan) in [("split", None), ("unsplit", Some(plan))] {
                 let label = format!("{test} {} N={n} {name}", group.join("/"));
                 let (fed, picks, logits) =
                     gpu_run_streamed::<CudarcDriver>(&source, plan, &PROMPT, 1, &label);
-                let (err, ok) = check_streamed(&label, &source, &fed, &picks, &logits);
+                let (err, ok) = check_streamed(&label, &source, &fed, &picks, &logits, &mut memo);
                 let clean = ok && err <= TOL;
                 println!(
                     "{label}: RESULT ids equal {ok}, max rel err {err:.3e} -> {}",
@@ -574,7 +590,12 @@ fn bisect_72b() {
 }
 
 /// The kernel's plan for `config` with the tensors in `names` in one chunk
-/// each (their split turned off; everything else as planned).
+/// each (their split turned off; everything else as planned). The plan
+/// claims the wrong offset model (32-bit element offsets), as a planner
+/// that models the wrong arithmetic would: the kernel's compile-time check
+/// that every chunk fits its offsets then passes for an N-layer model
+/// whose unsplit tensors hold fewer than 2^32 elements, while the kernel,
+/// which computes 32-bit byte offsets, wraps.
 fn unsplit(config: &Config, names: &[&str]) -> ModelPlan {
     let specs = qmk_model::stacked_specs(config).unwrap();
     let mut plan = plan_model(&specs, &KERNEL_OFFSET_MODEL).unwrap();
@@ -584,6 +605,7 @@ fn unsplit(config: &Config, names: &[&str]) -> ModelPlan {
             *t = whole.tensor(&t.spec.name).unwrap().clone();
         }
     }
+    plan.offset_model = WRONG_MODEL;
     plan
 }
 
@@ -665,8 +687,11 @@ fn precompile_cubins() {
     }
     for b in builds {
         let t = Instant::now();
-        let cubin = compiler.compile(&b, arch).unwrap();
         let p = dir.join(format!("{:016x}.cubin", b.fingerprint));
+        if p.is_file() {
+            continue;
+        }
+        let cubin = compiler.compile(&b, arch).unwrap();
         cubin.write(&p).unwrap();
         println!(
             "{} ({} layers): {:.1} s",

@@ -37,6 +37,7 @@ mod status;
 pub mod upload;
 
 pub use backend::GpuBackend;
+pub use bench::MIN_STREAM_BYTES;
 pub use cuda::{cuda_error_name, describe_cubin, is_sticky, CudaCode};
 pub use driver::{
     device_count, device_info, devices, DeviceAttr, DeviceMemory, Driver, LaunchShape, MappedHost,
