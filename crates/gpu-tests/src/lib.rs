@@ -37,6 +37,20 @@ macro_rules! both {
     };
 }
 
+/// `n` deterministic synthetic prompt ids below Qwen's special tokens
+/// (xorshift64 from `seed ^ n`).
+pub fn synthetic_prompt(n: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed ^ n as u64;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % 151_643) as u32
+        })
+        .collect()
+}
+
 /// Seed of every synthetic model these tests build.
 pub const SEED: u64 = 20261129;
 

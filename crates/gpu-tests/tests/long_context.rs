@@ -43,15 +43,7 @@ const REF_STEPS: usize = 8;
 
 /// `n` synthetic prompt ids below the special tokens (deterministic).
 fn prompt(n: usize) -> Vec<u32> {
-    let mut s = 0x2545_F491_4F6C_DD1Du64 ^ n as u64;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % 151_643) as u32
-        })
-        .collect()
+    synthetic_prompt(n, 0x2545_F491_4F6C_DD1D)
 }
 
 /// The backend through `D` with a long host deadline (a prompt of

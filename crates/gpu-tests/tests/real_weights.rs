@@ -171,15 +171,7 @@ fn bf16(bits: u16) -> f32 {
 
 /// `n` synthetic prompt ids below the special tokens (deterministic).
 fn prompt(n: usize) -> Vec<u32> {
-    let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ n as u64;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s % 151_643) as u32
-        })
-        .collect()
+    synthetic_prompt(n, 0x9E37_79B9_7F4A_7C15)
 }
 
 fn yarn_long_vs_reference<D: Driver>() {

@@ -346,14 +346,7 @@ impl Reference {
         }
         let Scratch { x, mut xn, .. } = s;
 
-        final_norm(&x, &w.norm, d.rms_norm_eps, &mut xn);
-        let selected: &[f32] = match which {
-            Logits::None => &[],
-            Logits::Last => &xn[(t - 1) * h..],
-            Logits::All => &xn,
-        }; // [R, H]
-        let mut logits = vec![0f32; selected.len() / h * d.vocab]; // [R, V]
-        lm_head(selected, w.lm_head(), h, &mut logits);
+        let logits = head(&x, &mut xn, &w.norm, w.lm_head(), &d, which);
         if let Some(tr) = trace {
             tr.final_norm = xn;
             tr.logits = logits.clone();
@@ -388,6 +381,29 @@ impl Reference {
         }
         Ok(())
     }
+}
+
+/// The final norm of the residual stream `x` `[T, H]` (into `xn`), then the
+/// LM head over the rows `which` selects: logits `[R, V]`.
+fn head(
+    x: &[f32],
+    xn: &mut [f32],
+    norm: &[half::bf16],
+    lm_head_w: &[half::bf16],
+    d: &Dims,
+    which: Logits,
+) -> Vec<f32> {
+    let h = d.hidden;
+    final_norm(x, norm, d.rms_norm_eps, xn);
+    let t = xn.len() / h;
+    let selected: &[f32] = match which {
+        Logits::None => &[],
+        Logits::Last => &xn[(t - 1) * h..],
+        Logits::All => xn,
+    }; // [R, H]
+    let mut logits = vec![0f32; selected.len() / h * d.vocab]; // [R, V]
+    lm_head(selected, lm_head_w, h, &mut logits);
+    logits
 }
 
 /// The activations of one forward pass over `T` rows.

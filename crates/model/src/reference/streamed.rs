@@ -12,8 +12,8 @@
 use half::bf16;
 
 use super::{
-    embed, final_norm, layer_forward, lm_head, Dims, KvCache, LayerWeights, Logits,
-    ReferenceOptions, Rope, Row, Scratch,
+    embed, head, layer_forward, Dims, KvCache, LayerWeights, Logits, ReferenceOptions, Rope, Row,
+    Scratch,
 };
 use crate::config::Config;
 use crate::error::ModelError;
@@ -34,24 +34,14 @@ pub struct StreamedReference {
 
 /// One layer's weights, owned.
 struct Layer {
-    tensors: Vec<Vec<bf16>>, // [12] in PER_LAYER order
+    tensors: Vec<Vec<bf16>>, // [12] in `per_layer_kinds` order
 }
 
-/// The per-layer tensors, in [`LayerWeights`] field order.
-const PER_LAYER: [WeightKind; 12] = [
-    WeightKind::InputLayernorm,
-    WeightKind::QProj,
-    WeightKind::QBias,
-    WeightKind::KProj,
-    WeightKind::KBias,
-    WeightKind::VProj,
-    WeightKind::VBias,
-    WeightKind::OProj,
-    WeightKind::PostAttentionLayernorm,
-    WeightKind::GateProj,
-    WeightKind::UpProj,
-    WeightKind::DownProj,
-];
+/// The per-layer tensors, in [`WeightKind::ALL`] order, which is
+/// [`LayerWeights`]' field order.
+fn per_layer_kinds() -> impl Iterator<Item = WeightKind> {
+    WeightKind::ALL.into_iter().filter(|k| k.per_layer())
+}
 
 impl StreamedReference {
     /// The reference for `config`'s synthetic weights with `seed` (the
@@ -99,7 +89,7 @@ impl StreamedReference {
     /// Weight bytes held at once at most: the largest layer plus the LM
     /// head and the final norm (bf16).
     pub fn peak_weight_bytes(&self) -> u64 {
-        let layer: usize = PER_LAYER.iter().map(|&k| self.per_layer_len(k)).sum();
+        let layer: usize = per_layer_kinds().map(|k| self.per_layer_len(k)).sum();
         2 * (layer + self.lm_head.len() + self.norm.len()) as u64
     }
 
@@ -153,40 +143,22 @@ impl StreamedReference {
             );
         }
         let Scratch { x, mut xn, .. } = s;
-        final_norm(&x, &self.norm, d.rms_norm_eps, &mut xn);
-        let selected: &[f32] = match which {
-            Logits::None => &[],
-            Logits::Last => &xn[(t - 1) * h..],
-            Logits::All => &xn,
-        }; // [R, H]
-        let mut logits = vec![0f32; selected.len() / h * d.vocab]; // [R, V]
-        lm_head(selected, &self.lm_head, h, &mut logits);
-        Ok(logits)
+        Ok(head(&x, &mut xn, &self.norm, &self.lm_head, &d, which))
     }
 
-    /// Elements of one layer's slice of the stacked tensor `kind`.
+    /// Elements of one layer's slice of the stacked tensor `kind` (sizes
+    /// checked when the source was made).
     fn per_layer_len(&self, kind: WeightKind) -> usize {
-        let d = &self.dims;
-        let (h, q, kv, i) = (d.hidden, d.q_dim(), d.kv_dim(), d.intermediate);
-        match kind {
-            WeightKind::InputLayernorm | WeightKind::PostAttentionLayernorm => h,
-            WeightKind::QProj | WeightKind::OProj => q * h,
-            WeightKind::QBias => q,
-            WeightKind::KProj | WeightKind::VProj => kv * h,
-            WeightKind::KBias | WeightKind::VBias => kv,
-            WeightKind::GateProj | WeightKind::UpProj | WeightKind::DownProj => i * h,
-            WeightKind::EmbedTokens | WeightKind::LmHead => d.vocab * h,
-            WeightKind::Norm => h,
-        }
+        kind.item_elems(self.source.config())
+            .map_or(0, |n| n as usize)
     }
 
     /// Layer `l`'s weights: elements `l·n .. (l+1)·n` of each stacked
     /// tensor.
     fn layer(&self, l: usize) -> Result<Layer, ModelError> {
         Ok(Layer {
-            tensors: PER_LAYER
-                .iter()
-                .map(|&k| {
+            tensors: per_layer_kinds()
+                .map(|k| {
                     let n = self.per_layer_len(k);
                     generate(&self.source, k, l * n, n)
                 })
