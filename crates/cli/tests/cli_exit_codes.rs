@@ -32,6 +32,22 @@ fn gen_args<'a>(m: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     a
 }
 
+/// `chat` on the tiny model (CPU), at most `new_tokens` per reply, plus
+/// `extra`.
+fn chat_args<'a>(m: &'a str, new_tokens: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec![
+        "chat",
+        "--model",
+        m,
+        "--backend",
+        "cpu",
+        "--max-new-tokens",
+        new_tokens,
+    ];
+    a.extend_from_slice(extra);
+    a
+}
+
 // ---- usage errors ---------------------------------------------------------
 
 #[test]
@@ -206,16 +222,7 @@ fn a_closed_stdout_ends_generate_and_chat_quietly() {
     let stdin = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(stdin.path(), "Hello\nAgain\n").unwrap();
     let r = run_redirected(
-        &[
-            "chat",
-            "--model",
-            &m,
-            "--backend",
-            "cpu",
-            "--max-new-tokens",
-            "4",
-            "--ignore-eos",
-        ],
+        &chat_args(&m, "4", &["--ignore-eos"]),
         Some(stdin.path()),
         Sink::ClosedPipe,
         Sink::Capture,
@@ -247,15 +254,7 @@ fn a_full_stdout_is_an_error_naming_stdout() {
     let stdin = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(stdin.path(), "Hello\n").unwrap();
     let r = run_redirected(
-        &[
-            "chat",
-            "--model",
-            &m,
-            "--backend",
-            "cpu",
-            "--max-new-tokens",
-            "2",
-        ],
+        &chat_args(&m, "2", &[]),
         Some(stdin.path()),
         Sink::Full,
         Sink::Capture,

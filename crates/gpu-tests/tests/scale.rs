@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use qmk_engine::Backend;
-use qmk_gpu::{BenchOptions, Driver, GpuBackend, Options};
+use qmk_gpu::{BenchOptions, Driver, GpuBackend, Options, WeightSource};
 use qmk_kernels::KernelBuild;
 use qmk_layout::KERNEL_OFFSET_MODEL;
 use qmk_layout::{first_wrapping_slice, plan_model, ModelPlan, OffsetModel, OffsetUnit};
@@ -164,35 +164,7 @@ fn gpu_run<D: Driver>(
     bench: bool,
     label: &str,
 ) -> GpuRun {
-    let build = match &plan {
-        Some(p) => KernelBuild::with_plan(&w.config, p.clone()).unwrap(),
-        None => KernelBuild::new(&w.config).unwrap(),
-    };
-    let chunks: Vec<String> = build
-        .plan
-        .split_tensors()
-        .map(|t| format!("{} x{}", t.spec.name, t.chunks.len()))
-        .collect();
-    let gate_chunks = build.plan.tensor("gate_proj").unwrap().chunks.len();
-    let cubin = cubin_for(&build);
-    let opts = Options {
-        capacity: 64,
-        plan,
-        cubin: cubin.clone(),
-        ..Default::default()
-    };
-    let t = Instant::now();
-    let mut b = GpuBackend::<D>::new(w, opts, &mut ()).unwrap_or_else(|e| panic!("{label}: {e}"));
-    let l = b.launch_info();
-    println!(
-        "{label}: {} layers, split {:?}, cubin {}, open + upload {:.1} s, grid {} x {}",
-        w.config.num_hidden_layers,
-        chunks,
-        if cubin.is_some() { "prebuilt" } else { "NVRTC" },
-        t.elapsed().as_secs_f64(),
-        l.grid,
-        l.block
-    );
+    let (mut b, gate_chunks) = open_planned::<D>(w, plan, label);
     let (mut ids, mut logits) = (Vec::new(), Vec::new());
     for (pos, &tok) in tokens.iter().enumerate() {
         let out = b
@@ -226,6 +198,52 @@ fn gpu_run<D: Driver>(
         r.tok_per_s
     });
     (ids, logits, gate_chunks, bench)
+}
+
+/// The backend through `D` on `source`'s weights, with `plan` (the
+/// planner's when `None`) and a prebuilt cubin when `QMK_SCALE_CUBINS` has
+/// one; prints the split, the open and upload times and the peak RSS.
+/// Returns it and gate_proj's chunk count.
+fn open_planned<D: Driver>(
+    source: &dyn WeightSource,
+    plan: Option<ModelPlan>,
+    label: &str,
+) -> (GpuBackend<D>, usize) {
+    let config = source.config();
+    let build = match &plan {
+        Some(p) => KernelBuild::with_plan(config, p.clone()).unwrap(),
+        None => KernelBuild::new(config).unwrap(),
+    };
+    let chunks: Vec<String> = build
+        .plan
+        .split_tensors()
+        .map(|t| format!("{} x{}", t.spec.name, t.chunks.len()))
+        .collect();
+    let gate_chunks = build.plan.tensor("gate_proj").unwrap().chunks.len();
+    let cubin = cubin_for(&build);
+    let opts = Options {
+        capacity: 64,
+        plan,
+        cubin: cubin.clone(),
+        step_deadline: std::time::Duration::from_secs(60),
+        ..Default::default()
+    };
+    let t = Instant::now();
+    let b = GpuBackend::<D>::from_source(source, opts, &mut ())
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+    let (up, bytes) = b.upload_stats();
+    let l = b.launch_info();
+    println!(
+        "{label}: {} layers, split {chunks:?}, cubin {}, open + upload {:.1} s ({:.1} GB/s upload), grid {} x {}, peak RSS {}",
+        config.num_hidden_layers,
+        if cubin.is_some() { "prebuilt" } else { "NVRTC" },
+        t.elapsed().as_secs_f64(),
+        bytes as f64 / up.as_secs_f64().max(1e-9) / 1e9,
+        l.grid,
+        l.block,
+        peak_rss()
+    );
+    (b, gate_chunks)
 }
 
 /// Checks a GPU run against the reference; returns the largest error.
@@ -372,37 +390,7 @@ fn gpu_run_streamed<D: Driver>(
     greedy: usize,
     label: &str,
 ) -> (Vec<u32>, Vec<u32>, Vec<Vec<f32>>) {
-    let config = source.config();
-    let build = match &plan {
-        Some(p) => KernelBuild::with_plan(config, p.clone()).unwrap(),
-        None => KernelBuild::new(config).unwrap(),
-    };
-    let chunks: Vec<String> = build
-        .plan
-        .tensors
-        .iter()
-        .map(|t| format!("{} x{}", t.spec.name, t.chunks.len()))
-        .collect();
-    let cubin = cubin_for(&build);
-    let opts = Options {
-        capacity: 64,
-        plan,
-        cubin: cubin.clone(),
-        step_deadline: std::time::Duration::from_secs(60),
-        ..Default::default()
-    };
-    let t = Instant::now();
-    let mut b = GpuBackend::<D>::from_source(source, opts, &mut ())
-        .unwrap_or_else(|e| panic!("{label}: {e}"));
-    let (up, bytes) = b.upload_stats();
-    println!(
-        "{label}: {} layers, chunks {chunks:?}, cubin {}, open + upload {:.1} s ({:.1} GB/s upload), peak RSS {}",
-        config.num_hidden_layers,
-        if cubin.is_some() { "prebuilt" } else { "NVRTC" },
-        t.elapsed().as_secs_f64(),
-        bytes as f64 / up.as_secs_f64().max(1e-9) / 1e9,
-        peak_rss()
-    );
+    let (mut b, _) = open_planned::<D>(source, plan, label);
     let (mut fed, mut picks, mut logits) = (Vec::new(), Vec::new(), Vec::new());
     let mut token = prompt[0];
     for pos in 0..prompt.len() + greedy {

@@ -311,7 +311,7 @@ impl Reference {
         which: Logits,
         mut trace: Option<&mut StepTrace>,
     ) -> Result<Vec<f32>, ModelError> {
-        self.check_rows(rows)?;
+        check_rows(rows, &self.dims, &self.caches)?;
         let d = self.dims;
         let (h, t) = (d.hidden, rows.len());
         let w = &*self.weights;
@@ -353,34 +353,36 @@ impl Reference {
         }
         Ok(logits)
     }
+}
 
-    fn check_rows(&self, rows: &[Row]) -> Result<(), ModelError> {
-        if rows.is_empty() {
-            return Err(ModelError::EmptyPrompt);
-        }
-        for r in rows {
-            if r.seq >= self.caches.len() {
-                return Err(ModelError::InvalidArgument(format!(
-                    "sequence {} does not exist ({} sequences)",
-                    r.seq,
-                    self.caches.len()
-                )));
-            }
-            if r.token as usize >= self.dims.vocab {
-                return Err(ModelError::TokenOutOfVocab {
-                    token: r.token,
-                    vocab_size: self.dims.vocab,
-                });
-            }
-            if r.pos >= self.capacity() {
-                return Err(ModelError::PositionOutOfRange {
-                    pos: r.pos,
-                    capacity: self.capacity(),
-                });
-            }
-        }
-        Ok(())
+/// Every row of a pass names an existing sequence, a token of the
+/// vocabulary and a position inside its cache; the pass is not empty.
+fn check_rows(rows: &[Row], d: &Dims, caches: &[KvCache]) -> Result<(), ModelError> {
+    if rows.is_empty() {
+        return Err(ModelError::EmptyPrompt);
     }
+    for r in rows {
+        let Some(cache) = caches.get(r.seq) else {
+            return Err(ModelError::InvalidArgument(format!(
+                "sequence {} does not exist ({} sequences)",
+                r.seq,
+                caches.len()
+            )));
+        };
+        if r.token as usize >= d.vocab {
+            return Err(ModelError::TokenOutOfVocab {
+                token: r.token,
+                vocab_size: d.vocab,
+            });
+        }
+        if r.pos >= cache.capacity {
+            return Err(ModelError::PositionOutOfRange {
+                pos: r.pos,
+                capacity: cache.capacity,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The final norm of the residual stream `x` `[T, H]` (into `xn`), then the

@@ -218,10 +218,12 @@ pub fn try_synthetic_weights(config: &Config, seed: u64) -> Result<Weights, Mode
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn tiny() -> Config {
+    /// A 3-layer, 64-wide untied model for tests (the CPU references'
+    /// tests use it too).
+    pub(crate) fn tiny() -> Config {
         let mut c = Config::preset("0.5b").unwrap();
         c.hidden_size = 64;
         c.intermediate_size = 96;

@@ -228,7 +228,7 @@ mod tests {
 
     #[test]
     fn revisions_stay_under_refs() {
-        for ok in ["main", "v1.0", "refs/pr/1", "my-branch_2"] {
+        for ok in ["main", "release.one", "refs/pr/1", "my-branch_2"] {
             check_revision(ok).unwrap();
         }
         for bad in [

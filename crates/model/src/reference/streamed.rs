@@ -12,8 +12,8 @@
 use half::bf16;
 
 use super::{
-    embed, head, layer_forward, Dims, KvCache, LayerWeights, Logits, ReferenceOptions, Rope, Row,
-    Scratch,
+    check_rows, embed, head, layer_forward, Dims, KvCache, LayerWeights, Logits, ReferenceOptions,
+    Rope, Row, Scratch,
 };
 use crate::config::Config;
 use crate::error::ModelError;
@@ -111,7 +111,7 @@ impl StreamedReference {
                 pos: start + i,
             })
             .collect();
-        self.check_rows(&rows)?;
+        check_rows(&rows, &d, &self.caches)?;
         let (h, t) = (d.hidden, rows.len());
         let positions: Vec<usize> = rows.iter().map(|r| r.pos).collect(); // [T]
         let mut s = Scratch::new(&d, t);
@@ -165,28 +165,6 @@ impl StreamedReference {
                 .collect::<Result<_, _>>()?,
         })
     }
-
-    fn check_rows(&self, rows: &[Row]) -> Result<(), ModelError> {
-        if rows.is_empty() {
-            return Err(ModelError::EmptyPrompt);
-        }
-        let capacity = self.caches[0].capacity;
-        for r in rows {
-            if r.token as usize >= self.dims.vocab {
-                return Err(ModelError::TokenOutOfVocab {
-                    token: r.token,
-                    vocab_size: self.dims.vocab,
-                });
-            }
-            if r.pos >= capacity {
-                return Err(ModelError::PositionOutOfRange {
-                    pos: r.pos,
-                    capacity,
-                });
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Layer {
@@ -230,14 +208,7 @@ mod tests {
     use crate::synthetic_weights;
 
     fn small(tied: bool) -> Config {
-        let mut c = Config::preset("0.5b").unwrap();
-        c.hidden_size = 64;
-        c.intermediate_size = 96;
-        c.num_hidden_layers = 3;
-        c.num_attention_heads = 4;
-        c.num_key_value_heads = Some(2);
-        c.head_dim = Some(16);
-        c.vocab_size = 300;
+        let mut c = crate::synthetic::tests::tiny();
         c.tie_word_embeddings = tied;
         c
     }
