@@ -30,7 +30,15 @@ pub struct PlanArgs {
     /// (141GB, 139.8GiB). Default: an H200's 150,109,880,320 bytes.
     #[arg(long, value_name = "SIZE", default_value = "150109880320", value_parser = parse_size)]
     pub device_memory: u64,
+    /// Tensor-parallel ranks (GPUs) to shard the model over: prints what
+    /// each rank holds, its bytes and its chunks.
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true,
+          value_parser = crate::common::whole::<u32>(1..=MAX_TP))]
+    pub tp: u32,
 }
+
+/// The most tensor-parallel ranks `plan` shards for (GPUs of one host).
+const MAX_TP: i64 = 64;
 
 /// `150109880320`, `141GB`, `139.8GiB`, `512 MiB`: bytes, decimal (kB, MB,
 /// GB, TB) or binary (KiB, MiB, GiB, TiB) units.
@@ -143,6 +151,31 @@ struct PlanJson<'a> {
     per_decode_step_bytes: Bytes,
     /// Device and host memory needed to run it.
     memory: MemoryNeed,
+    /// With `--tp N` above 1: every tensor's rule and shards, each rank's
+    /// plan and bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tensor_parallel: Option<TpJson>,
+}
+
+/// `plan --tp N --json`: the sharding and each rank's totals.
+#[derive(Serialize)]
+struct TpJson {
+    #[serde(flatten)]
+    plan: qmk_layout::TpPlan,
+    /// Bytes each rank holds, in rank order.
+    rank_bytes: Vec<u64>,
+}
+
+fn tp_json(config: &Config, ranks: u32) -> Result<Option<TpJson>> {
+    if ranks <= 1 {
+        return Ok(None);
+    }
+    let plan = qmk_model::tp_plan(config, ranks as usize)?;
+    let mut rank_bytes = Vec::with_capacity(ranks as usize);
+    for r in 0..ranks as usize {
+        rank_bytes.push(plan.rank_bytes(r)?);
+    }
+    Ok(Some(TpJson { plan, rank_bytes }))
 }
 
 pub fn run(args: PlanArgs) -> Result<()> {
@@ -161,6 +194,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
     let plan = qmk_model::model_plan(&config).context("planning the weight layout")?;
     let bytes = qmk_model::weight_bytes(&config)?;
     let memory = memory_need(&config, args.context, args.device_memory)?;
+    let tp = tp_json(&config, args.tp)?;
     if args.json {
         let out = PlanJson {
             model: &label,
@@ -169,6 +203,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
             total_bytes: bytes.total,
             per_decode_step_bytes: bytes.per_decode_step,
             memory,
+            tensor_parallel: tp,
         };
         crate::output::print(&format!("{}\n", serde_json::to_string(&out)?))
     } else {
@@ -196,6 +231,10 @@ pub fn run(args: PlanArgs) -> Result<()> {
                 "largest context in {} of device memory: none, the model does not fit",
                 bytes_str(memory.device_memory)
             )?,
+        }
+        if let Some(tp) = &tp {
+            text.push('\n');
+            text.push_str(&render_tp(tp)?);
         }
         crate::output::print(&text)
     }
@@ -324,6 +363,66 @@ fn render(label: &str, c: &Config, plan: &ModelPlan, totals: &WeightBytes) -> Re
     Ok(s)
 }
 
+/// The tensor-parallel report: every rank holds the same shapes, so one
+/// table of shards (with each rank's range of the cut axis), then each
+/// rank's bytes and chunks.
+fn render_tp(tp: &TpJson) -> Result<String> {
+    let mut s = String::new();
+    let ranks = tp.plan.ranks;
+    writeln!(
+        s,
+        "tensor parallel over {ranks} ranks (every rank holds the same shapes):"
+    )?;
+    let name_w = tp
+        .plan
+        .tensors
+        .iter()
+        .map(|t| t.spec.name.len())
+        .chain([6])
+        .max()
+        .unwrap_or(6);
+    writeln!(
+        s,
+        "{:name_w$}  {:24}  {:>32}  {:>6}  ranges of the cut axis",
+        "tensor", "rule", "shard bytes", "chunks"
+    )?;
+    let rank0 = &tp.plan.rank_plans[0];
+    for (t, planned) in tp.plan.tensors.iter().zip(&rank0.tensors) {
+        let rule = match t.rule {
+            qmk_layout::ShardRule::Replicated => "replicated".to_string(),
+            qmk_layout::ShardRule::Split { axis, unit } => {
+                format!("axis {axis}, units of {unit}")
+            }
+        };
+        let ranges = match t.rule {
+            qmk_layout::ShardRule::Replicated => String::new(),
+            qmk_layout::ShardRule::Split { .. } => t
+                .shards
+                .iter()
+                .map(|sh| format!("[{}, {})", sh.range.start, sh.range.end))
+                .collect::<Vec<_>>()
+                .join(" "),
+        };
+        writeln!(
+            s,
+            "{:name_w$}  {rule:24}  {:>32}  {:>6}  {ranges}",
+            t.spec.name,
+            bytes(planned.spec.byte_span()?),
+            planned.chunks.len(),
+        )?;
+    }
+    for (r, (plan, b)) in tp.plan.rank_plans.iter().zip(&tp.rank_bytes).enumerate() {
+        let chunks: usize = plan.tensors.iter().map(|t| t.chunks.len()).sum();
+        let split = plan.split_tensors().count();
+        writeln!(
+            s,
+            "rank {r}: {} in {chunks} chunks ({split} tensors split for the 32-bit offsets)",
+            bytes(Bytes(*b))
+        )?;
+    }
+    Ok(s)
+}
+
 fn bytes_str(b: u64) -> String {
     format!(
         "{:.2} GB ({:.2} GiB)",
@@ -390,6 +489,29 @@ mod tests {
         assert!(text.contains("(48,13824,5120):(70778880,5120,1)"), "{text}");
         assert!(text.contains("chunk 1: layers [24, 48)"), "{text}");
         assert!(text.contains("15 tensors, 3 split"), "{text}");
+    }
+
+    #[test]
+    fn tensor_parallel_report_lists_every_rank() {
+        let c = Config::preset("72b").unwrap();
+        let tp = tp_json(&c, 8).unwrap().unwrap();
+        let text = render_tp(&tp).unwrap();
+        assert!(text.contains("tensor parallel over 8 ranks"), "{text}");
+        // The down shard [80, 8192, 3696] still needs 2 chunks.
+        let down = text.lines().find(|l| l.starts_with("down_proj")).unwrap();
+        assert!(
+            down.contains("axis 2, units of 8") && down.contains("[25872, 29568)"),
+            "{down}"
+        );
+        assert!(down.contains("4.84 GB"), "{down}");
+        assert!(text.contains("rank 7: "), "{text}");
+        let json = serde_json::to_value(&tp).unwrap();
+        assert_eq!(json["ranks"], 8);
+        assert_eq!(json["rank_bytes"].as_array().unwrap().len(), 8);
+        assert!(tp_json(&c, 1).unwrap().is_none());
+        // 72B's 8 KV heads do not split 3 ways.
+        let e = tp_json(&c, 3).err().unwrap().to_string();
+        assert!(e.contains("num_key_value_heads"), "{e}");
     }
 
     #[test]

@@ -147,6 +147,15 @@ pub enum LayoutError {
         /// The value.
         value: u64,
     },
+
+    /// A tensor cannot be divided among tensor-parallel ranks as asked.
+    #[error("tensor `{tensor}` cannot be sharded: {reason}")]
+    Shard {
+        /// The tensor's name.
+        tensor: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 impl LayoutError {

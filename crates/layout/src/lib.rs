@@ -20,7 +20,10 @@
 //!    [`KERNEL_OFFSET_MODEL`] is the one the kernel is compiled with;
 //! 3. [`plan_split`] / [`plan_model`]: the fewest balanced chunks per tensor;
 //! 4. [`render_header`]: the plan as C++ `constexpr` constants with
-//!    `static_assert`s.
+//!    `static_assert`s;
+//! 5. [`plan_tensor_parallel`]: every tensor divided among the ranks of a
+//!    tensor-parallel group ([`ShardRule`]), each rank's shards planned like
+//!    whole tensors.
 //!
 //! Element counts ([`Elems`]), byte counts ([`Bytes`]) and in-kernel offsets
 //! ([`KernelOffset`]) are separate types, and every size or offset is
@@ -55,6 +58,7 @@ mod header;
 mod layout;
 mod offset;
 mod plan;
+mod shard;
 mod units;
 
 pub use error::LayoutError;
@@ -65,4 +69,5 @@ pub use plan::{
     first_wrapping_slice, max_slices, plan_model, plan_split, Chunk, ModelPlan, TensorPlan,
     TensorSpec,
 };
+pub use shard::{plan_tensor_parallel, shard_tensor, Shard, ShardRule, ShardedTensor, TpPlan};
 pub use units::{Bytes, DType, Elems, KernelOffset};

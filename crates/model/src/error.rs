@@ -214,6 +214,17 @@ pub enum ModelError {
     },
 
     // ---- arithmetic and layout -------------------------------------------
+    /// A tensor-parallel group size the model cannot be split into.
+    #[error("tensor parallel over {ranks} ranks: {field} {reason}")]
+    TensorParallel {
+        /// Ranks asked for.
+        ranks: usize,
+        /// The config field (or `ranks`) at fault.
+        field: &'static str,
+        /// Why.
+        reason: String,
+    },
+
     /// A size or offset computation overflowed its integer type.
     #[error("size of `{what}` overflows: {detail}")]
     Overflow {

@@ -15,6 +15,7 @@ pub mod reference;
 pub mod rope;
 pub mod small_file;
 pub mod synthetic;
+pub mod tensor_parallel;
 pub mod tokenizer;
 pub mod weights;
 
@@ -24,4 +25,5 @@ pub use error::ModelError;
 pub use inventory::{model_plan, stacked_specs, weight_bytes, WeightBytes, WeightKind};
 pub use small_file::{read_small_file, SMALL_FILE_CAP};
 pub use synthetic::{synthetic_weights, SyntheticSource};
+pub use tensor_parallel::{tp_plan, ShardedReference};
 pub use weights::Weights;

@@ -434,3 +434,31 @@ fn check_real_weights(file: &str, rope_scaling: Option<serde_json::Value>) {
         assert!(o.rule_ok, "prompt `{}` fails the rule: {}", o.id, o.detail);
     }
 }
+
+/// The CPU reference split over 2 tensor-parallel ranks (the real model's 14
+/// query heads and 2 KV heads, one KV group per rank; its 4,864-wide MLP and
+/// 151,936-row vocabulary halved), with the partial sums all-reduced in rank
+/// order: the first 2 golden prompts give transformers' 48 ids exactly.
+#[test]
+fn tensor_parallel_reference_matches_hf_goldens_at_two_ranks() {
+    let Some(dir) = std::env::var_os("QMK_REAL_QWEN").map(PathBuf::from) else {
+        eprintln!(
+            "SKIPPED: QMK_REAL_QWEN is not set (run scripts/fetch-real-qwen.sh and point \
+             QMK_REAL_QWEN at the directory it prints)"
+        );
+        return;
+    };
+    let weights = Arc::new(qmk_model::load_weights(&dir).unwrap());
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let tmpl = ChatTemplate::from_dir(&dir).unwrap();
+    for g in goldens().iter().take(2) {
+        let prompt = prompt_ids(&tok, &tmpl, g);
+        assert_eq!(prompt, g.input_ids, "prompt `{}`", g.id);
+        let n = g.output_ids.len();
+        let mut tp =
+            qmk_model::ShardedReference::new(weights.clone(), 2, prompt.len() + n).unwrap();
+        let ours = tp.generate_greedy(&prompt, n).unwrap();
+        assert_eq!(ours, g.output_ids, "prompt `{}` at 2 ranks", g.id);
+        eprintln!("PASS {}: {n} ids equal at 2 ranks", g.id);
+    }
+}
