@@ -288,11 +288,11 @@ async fn chat_response(
     let options = generate_options(&job.params, max_new, &st.model.stop_ids);
     let (work, ticket) = Ticket::new(id.to_string(), prompt_ids, options);
     st.worker.submit(work)?;
-    let tools_offered = job.tools.is_some();
+    let offered = job.tools.as_deref().map(tools::names);
     if job.delivery.stream {
         let stream = ChatStream {
             meta,
-            tools: tools_offered.then(ToolStream::default),
+            tools: offered.map(ToolStream::new),
             call_ids: CallIds(st.clone()),
         };
         return Ok(sse_response(Chunks::new(ticket, Box::new(stream))));
@@ -300,7 +300,7 @@ async fn chat_response(
     let outcome = collect(ticket).await?;
     let mut message = json!({"role": "assistant", "content": outcome.text});
     let mut finish = finish_reason(outcome.stop);
-    if let Some(parsed) = tools_offered.then(|| tools::parse(&outcome.text)).flatten() {
+    if let Some(parsed) = offered.and_then(|names| tools::parse(&outcome.text, &names)) {
         message["content"] = json!(parsed.content);
         message["tool_calls"] = tool_calls_json(&parsed.calls, &CallIds(st.clone()), false);
         finish = "tool_calls";

@@ -3,6 +3,10 @@
 //! `</tool_call>` (the format the model's chat template teaches it). Text
 //! before the first call is the message's content; an output whose calls do
 //! not all parse is plain content, as vLLM's Hermes parser treats it.
+//!
+//! Small models often drop the tags and reply with the bare object (the
+//! 0.5B test model does, `tests/data/tool_calls/real_05b.txt`): a whole
+//! reply that is one such object naming an offered tool is a call too.
 
 use serde_json::Value;
 
@@ -29,11 +33,28 @@ pub struct Parsed {
     pub calls: Vec<ToolCall>,
 }
 
+/// The names of the offered tools (`tools[i].function.name`).
+pub fn names(tools: &[Value]) -> Vec<String> {
+    tools
+        .iter()
+        .filter_map(|t| t.get("function")?.get("name")?.as_str())
+        .map(String::from)
+        .collect()
+}
+
 /// Parses `text` for tool calls; `None` when it holds none, or any of them
 /// is not a JSON object with a string `name`. A last call cut off before
-/// its closing tag still counts when its JSON is whole.
-pub fn parse(text: &str) -> Option<Parsed> {
-    let first = text.find(OPEN)?;
+/// its closing tag still counts when its JSON is whole. Without tags, the
+/// whole text counts as one call when it is such an object and names one of
+/// `offered`.
+pub fn parse(text: &str, offered: &[String]) -> Option<Parsed> {
+    let Some(first) = text.find(OPEN) else {
+        let c = call(text)?;
+        return offered.contains(&c.name).then(|| Parsed {
+            content: None,
+            calls: vec![c],
+        });
+    };
     let content = Some(text[..first].trim())
         .filter(|c| !c.is_empty())
         .map(String::from);
@@ -67,19 +88,41 @@ fn call(json: &str) -> Option<ToolCall> {
 /// until `<tool_call>` starts, after which everything is held for
 /// [`ToolStream::finish`]. The end of the text that could still become the
 /// tag is held back too, so a tag split across tokens never leaks out as
-/// content.
+/// content; a reply that opens with `{` (a bare call, maybe) is held whole.
 #[derive(Debug, Default)]
 pub struct ToolStream {
+    offered: Vec<String>,
     held: String,
+    /// The reply's first non-blank character has been seen.
+    started: bool,
     in_call: bool,
 }
 
 impl ToolStream {
+    /// A stream for a reply that may call the `offered` tools.
+    pub fn new(offered: Vec<String>) -> Self {
+        ToolStream {
+            offered,
+            ..ToolStream::default()
+        }
+    }
+
     /// Takes newly decoded text; returns the part that is content for sure.
     pub fn push(&mut self, text: &str) -> String {
         self.held.push_str(text);
         if self.in_call {
             return String::new();
+        }
+        if !self.started {
+            let t = self.held.trim_start();
+            if t.is_empty() {
+                return String::new();
+            }
+            self.started = true;
+            if t.starts_with('{') {
+                self.in_call = true;
+                return String::new();
+            }
         }
         if let Some(at) = self.held.find(OPEN) {
             self.in_call = true;
@@ -98,7 +141,7 @@ impl ToolStream {
     /// else the held text as content.
     pub fn finish(self) -> Result<Vec<ToolCall>, String> {
         if self.in_call {
-            if let Some(p) = parse(&self.held) {
+            if let Some(p) = parse(&self.held, &self.offered) {
                 return Ok(p.calls);
             }
         }
@@ -129,8 +172,13 @@ mod tests {
         std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
     }
 
+    fn weather() -> Vec<String> {
+        vec!["get_current_weather".to_string()]
+    }
+
     #[test]
     fn recorded_replies_parse_into_calls() {
+        let parse = |t: &str| parse(t, &weather());
         let p = parse(&recorded("single")).unwrap();
         assert_eq!(p.content, None);
         assert_eq!(
@@ -158,10 +206,27 @@ mod tests {
         // Plain answers and broken JSON are content.
         assert_eq!(parse(&recorded("plain")), None);
         assert_eq!(parse(&recorded("broken_json")), None);
+        // The 0.5B test model's reply: the bare object, no tags.
+        let p = parse(&recorded("real_05b")).unwrap();
+        assert_eq!(p.content, None);
+        assert_eq!(
+            p.calls,
+            [ToolCall {
+                name: "get_current_weather".into(),
+                arguments: r#"{"location":"Paris","unit":"celsius"}"#.into()
+            }]
+        );
+        // A bare object naming a tool not offered is content.
+        assert_eq!(super::parse(&recorded("real_05b"), &[]), None);
+        assert_eq!(
+            super::parse("{\"name\": \"other\", \"arguments\": {}}", &weather()),
+            None
+        );
     }
 
     #[test]
     fn odd_shapes() {
+        let parse = |t: &str| parse(t, &weather());
         assert_eq!(parse("<tool_call>{\"arguments\": {}}</tool_call>"), None);
         assert_eq!(parse("<tool_call>[1]</tool_call>"), None);
         assert_eq!(parse("<tool_call></tool_call>"), None);
@@ -181,7 +246,7 @@ mod tests {
     fn streaming_holds_back_a_split_tag_and_yields_the_calls() {
         let reply = recorded("with_preamble");
         // Feed it in 3-byte pieces (on char boundaries), as tokens would.
-        let mut s = ToolStream::default();
+        let mut s = ToolStream::new(weather());
         let mut content = String::new();
         let mut rest = reply.as_str();
         while !rest.is_empty() {
@@ -198,10 +263,24 @@ mod tests {
             "Let me look up the weather in Berlin for you."
         );
         let calls = s.finish().unwrap();
-        assert_eq!(calls, parse(&reply).unwrap().calls);
+        assert_eq!(calls, parse(&reply, &weather()).unwrap().calls);
+
+        // A bare call is held whole, then yields the call.
+        let mut s = ToolStream::new(weather());
+        let reply = recorded("real_05b");
+        let (a, b) = reply.split_at(10);
+        assert_eq!(s.push(" \n"), "");
+        assert_eq!(s.push(a), "");
+        assert_eq!(s.push(b), "");
+        assert_eq!(s.finish().unwrap()[0].name, "get_current_weather");
+        // A reply that opens with `{` but is no call comes out at the end.
+        let mut s = ToolStream::new(weather());
+        assert_eq!(s.push("{braces} are"), "");
+        assert_eq!(s.push(" fun"), "");
+        assert_eq!(s.finish(), Err("{braces} are fun".to_string()));
 
         // Text with a `<` that turns out not to be the tag comes through.
-        let mut s = ToolStream::default();
+        let mut s = ToolStream::new(weather());
         let mut out = s.push("a <tool");
         assert_eq!(out, "a ");
         out.push_str(&s.push("box> b"));
@@ -209,7 +288,7 @@ mod tests {
         assert_eq!(s.finish(), Err(String::new()));
 
         // A broken call comes back as content at the end.
-        let mut s = ToolStream::default();
+        let mut s = ToolStream::new(weather());
         assert_eq!(s.push("x<tool_call>{oops"), "x");
         assert_eq!(s.finish(), Err("<tool_call>{oops".to_string()));
     }
