@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use qmk_engine::Engine;
 use qmk_server::{ModelInfo, Server, ServerConfig, DEFAULT_MAX_QUEUE};
@@ -91,12 +91,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
         args.host.clone()
     };
     let addr = format!("{host}:{}", args.port);
-    server
-        .serve(&addr, |bound| {
-            // The address on stdout, always: with --port 0 it is how a
-            // caller learns the port.
-            let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "listening on http://{bound}").and_then(|()| out.flush());
-        })
-        .with_context(|| format!("serving on {addr}"))
+    server.serve(&addr, |bound| {
+        // The address on stdout, always: with --port 0 it is how a caller
+        // learns the port.
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "listening on http://{bound}").and_then(|()| out.flush());
+    })?;
+    Ok(())
 }
