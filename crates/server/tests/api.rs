@@ -102,6 +102,7 @@ struct Scripted {
     /// Steps run by each generation (prefill counts as one).
     steps: Arc<Mutex<Vec<usize>>>,
     fail_at_step: Option<usize>,
+    panic_at_step: Option<usize>,
     total: Arc<AtomicUsize>,
 }
 
@@ -117,6 +118,9 @@ impl Scripted {
         let n = self.total.fetch_add(1, Ordering::SeqCst);
         if self.fail_at_step == Some(n) {
             return Err(Lost);
+        }
+        if self.panic_at_step == Some(n) {
+            panic!("scripted panic");
         }
         if let Some(last) = self.steps.lock().unwrap().last_mut() {
             *last += 1;
@@ -160,6 +164,7 @@ struct Setup {
     config: ServerConfig,
     gate: Option<Arc<Gate>>,
     fail_at_step: Option<usize>,
+    panic_at_step: Option<usize>,
 }
 
 impl Default for Setup {
@@ -171,6 +176,7 @@ impl Default for Setup {
             config: ServerConfig::default(),
             gate: None,
             fail_at_step: None,
+            panic_at_step: None,
         }
     }
 }
@@ -195,6 +201,7 @@ fn harness(setup: Setup) -> Harness {
         gate: setup.gate,
         steps: steps.clone(),
         fail_at_step: setup.fail_at_step,
+        panic_at_step: setup.panic_at_step,
         total: Arc::new(AtomicUsize::new(0)),
     };
     let model = ModelInfo {
@@ -788,6 +795,25 @@ fn a_backend_failure_makes_the_server_unhealthy() {
         .as_str()
         .unwrap()
         .contains("device lost"));
+}
+
+#[test]
+fn a_panic_in_the_engine_is_a_500_and_the_server_stays_up_unhealthy() {
+    let h = harness(Setup {
+        panic_at_step: Some(1),
+        ..Setup::default()
+    });
+    let (s, v) = h.post("/v1/chat/completions", &user("hi"));
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR, "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("scripted panic"));
+    let (s, text) = h.send(request("GET", "/health", None, None));
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(text.contains("panicked"), "{text}");
+    let (s, text) = h.send(request("GET", "/v1/models", None, None));
+    assert_eq!(s, StatusCode::OK, "{text}");
 }
 
 #[test]
