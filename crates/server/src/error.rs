@@ -23,10 +23,10 @@ pub enum ServerError {
         code: Option<&'static str>,
     },
     /// No bearer key, or the wrong one (401).
-    #[error("invalid API key: send `Authorization: Bearer <key>` with the server's --api-key")]
+    #[error("Incorrect API key provided: send `Authorization: Bearer <key>` with the key the server was started with (--api-key)")]
     Unauthorized,
     /// The request names a model this server does not serve (404).
-    #[error("the model `{requested}` does not exist; this server serves `{served}`")]
+    #[error("The model `{requested}` does not exist or you do not have access to it (this server serves `{served}`).")]
     ModelNotFound {
         /// The name in the request.
         requested: String,
@@ -113,10 +113,10 @@ impl ServerError {
         }
     }
 
-    /// OpenAI's `type` field for this error.
+    /// OpenAI's `type` field for this error (OpenAI's own API answers 401
+    /// and 404 with `invalid_request_error` too).
     fn kind(&self) -> &'static str {
         match self.status().as_u16() {
-            401 => "authentication_error",
             429 => "rate_limit_error",
             503 => "service_unavailable",
             500..=599 => "server_error",
@@ -141,7 +141,6 @@ impl ServerError {
     pub fn body(&self) -> serde_json::Value {
         let param = match self {
             ServerError::InvalidRequest { param, .. } => param.clone(),
-            ServerError::ModelNotFound { .. } => Some("model".to_string()),
             _ => None,
         };
         serde_json::json!({

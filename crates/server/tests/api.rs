@@ -564,7 +564,7 @@ fn errors_have_the_right_status_and_shape() {
             "/v1/chat/completions",
             r#"{"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}"#.into(),
             404,
-            Some("model"),
+            None,
         ),
         (
             "POST",
