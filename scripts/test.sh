@@ -2,9 +2,10 @@
 # The project's test command (README): formatting, lints, docs, and every
 # test, including the real-weights golden check, the kernel compile for
 # sm_80/sm_89/sm_90 and a crate outside the workspace built against the
-# libraries. Installs what it needs (pip packages, the real 0.5B test model,
-# a stub libcuda for the cust backend) on a fresh machine; everything else
-# it reads is in the repository. GPU tests skip with a printed reason where
+# libraries, and `qwen-mk serve` against the official openai client.
+# Installs what it needs (pip packages: NVRTC and the openai client; the
+# real 0.5B test model; a stub libcuda for the cust backend) on a fresh
+# machine; everything else it reads is in the repository. GPU tests skip with a printed reason where
 # no GPU exists.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,6 +20,9 @@ cargo fmt --all -- --check
 step "NVRTC from pip (kernel compile without a GPU)"
 eval "$(bash .ci/nvrtc.sh)"
 export QMK_REQUIRE_NVRTC="${QMK_REQUIRE_NVRTC:-1}"
+
+step "the openai Python client (for the qwen-mk serve tests)"
+eval "$(bash .ci/openai.sh)"
 
 step "stub libcuda.so for building the cust backend"
 eval "$(bash .ci/stub-libcuda.sh)"

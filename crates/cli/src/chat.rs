@@ -12,14 +12,11 @@ use qmk_engine::{Backend, Engine, StopReason};
 use qmk_model::chat::Message;
 
 use crate::common::{
-    choose_target, engine_error, open_backend, stats_line, Model, ModelArgs, RunArgs, SamplingArgs,
-    MAX_STDIN_BYTES,
+    choose_target, engine_error, open_backend, session_context, stats_line, Model, ModelArgs,
+    RunArgs, SamplingArgs, MAX_STDIN_BYTES,
 };
 use crate::output::{eprint_line, stdout_error};
 use crate::ui::Ui;
-
-/// Default context of a chat session (capped by the model's own limit).
-const DEFAULT_CONTEXT: usize = 8192;
 
 /// Chat with a model interactively (one line per message; /reset, /exit).
 #[derive(Debug, Clone, Args)]
@@ -44,14 +41,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let target = choose_target(args.run.backend, &ui)?;
     let model = Model::open(&args.model, &ui)?;
     let template = model.chat_template()?;
-    let (model_max, max_name) = crate::common::model_context(&model.config);
-    let capacity = match args.run.context {
-        Some(c) if c > model_max => {
-            bail!("--context {c} exceeds the model's {max_name} ({model_max})")
-        }
-        Some(c) => c,
-        None => model_max.min(DEFAULT_CONTEXT),
-    };
+    let capacity = session_context(&model.config, args.run.context)?;
     let backend = open_backend(&model, target, &args.run, capacity, &ui)?;
     // A GPU backend without --context takes the largest context that fits.
     let capacity = backend.capacity();

@@ -110,7 +110,7 @@ pub struct RunArgs {
     /// KV-cache capacity in positions (prompt plus generated tokens), at
     /// most the model's maximum context. Default on a GPU: the largest that
     /// fits its free memory, up to that maximum; on the CPU: what the
-    /// request needs (generate) or min(maximum, 8192) (chat).
+    /// request needs (generate) or min(maximum, 8192) (chat, serve).
     #[arg(long, value_name = "POSITIONS", allow_negative_numbers = true,
           value_parser = whole::<usize>(1..=MAX_POSITIONS))]
     pub context: Option<usize>,
@@ -310,6 +310,24 @@ pub fn model_context(config: &Config) -> (usize, &'static str) {
             max,
             "YaRN context (factor x original_max_position_embeddings)",
         )
+    }
+}
+
+/// Default KV-cache capacity of a long-lived session (`chat`, `serve`),
+/// capped by the model's own limit.
+pub const SESSION_CONTEXT: usize = 8192;
+
+/// The KV-cache capacity of a session that serves many prompts: `--context`
+/// (at most the model's maximum), else the model's maximum up to
+/// [`SESSION_CONTEXT`]. A GPU backend without `--context` may take more.
+pub fn session_context(config: &Config, context: Option<usize>) -> Result<usize> {
+    let (model_max, max_name) = model_context(config);
+    match context {
+        Some(c) if c > model_max => {
+            bail!("--context {c} exceeds the model's {max_name} ({model_max})")
+        }
+        Some(c) => Ok(c),
+        None => Ok(model_max.min(SESSION_CONTEXT)),
     }
 }
 

@@ -14,6 +14,7 @@ mod gpu;
 mod hub;
 mod output;
 mod plan;
+mod serve;
 mod synth;
 mod ui;
 
@@ -34,6 +35,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Chat interactively, or over stdin.
     Chat(chat::ChatArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
     /// Download a model from the Hugging Face Hub (checked) and print its directory.
     Download(download::DownloadArgs),
     /// Show every stacked weight tensor's layout and split plan.
@@ -56,6 +59,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Chat(a) => chat::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Download(a) => download::run(a),
         Command::Plan(a) => plan::run(a),
         Command::Bench(a) => bench::run(a),
