@@ -25,11 +25,13 @@
 
 mod backend;
 mod cpu;
+pub mod draft;
 mod engine;
 mod error;
 pub mod sampling;
+pub mod speculative;
 
-pub use backend::{Backend, BackendKind, StepOutput};
+pub use backend::{Backend, BackendKind, MultiStep, MultiStepOutput, StepOutput, MAX_STEP_TOKENS};
 pub use cpu::CpuBackend;
 pub use engine::{Engine, GenerateOptions, Generation, StopReason};
 pub use error::EngineError;
