@@ -1,6 +1,8 @@
 //! Backend-agnostic runtime: the [`Backend`] trait every decoder implements
 //! (the CPU reference, the cudarc and cust CUDA backends), sampling, and the
-//! decode loop written once above them.
+//! decode loop written once above them. [`speculative`] is greedy decoding
+//! with guesses from [`draft`] checked in multi-token steps
+//! ([`Backend::step_many`]): the same output in fewer steps.
 //!
 //! ```
 //! use std::{ops::ControlFlow, sync::Arc};

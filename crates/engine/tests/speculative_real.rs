@@ -98,7 +98,7 @@ fn speculative_greedy_equals_plain_greedy_on_real_weights() {
         assert_eq!(got.output_ids, want, "{name}");
         if *must_hit {
             assert!(
-                got.stats.accepted * 2 >= NEW_TOKENS,
+                got.stats.accepted * 4 >= NEW_TOKENS,
                 "{name}: only {} of {NEW_TOKENS} tokens came from accepted drafts: {:?}",
                 got.stats.accepted,
                 got.stats
