@@ -206,6 +206,15 @@ pub trait Backend {
         Ok(out)
     }
 
+    /// Cost of each position after the first in [`Backend::step_many`], as
+    /// a fraction of one single step: what speculative decoding weighs
+    /// acceptance against. The default `step_many` runs single steps, so
+    /// the default is 1 (speculation never pays); a backend that overrides
+    /// `step_many` reports its own.
+    fn step_many_position_cost(&self) -> f64 {
+        1.0
+    }
+
     /// Logits `[vocab]` of the last step.
     fn logits(&mut self) -> Result<Vec<f32>, Self::Error>;
 

@@ -7,15 +7,17 @@
 //!
 //! When it runs plain steps instead (the adaptive rule): a verify of `k`
 //! drafted tokens costs `1 + k·c` single steps, where `c` is
-//! [`SpeculativeOptions::position_cost`], and yields `E(k) = 1 + a + … + aᵏ`
+//! [`SpeculativeOptions::position_cost`] (by default the backend's
+//! [`Backend::step_many_position_cost`]), and yields `E(k) = 1 + a + … + aᵏ`
 //! tokens on average if each guess holds with probability `a` (given the
 //! ones before it held). Before each step the loop picks the `k` in
 //! `0..=max_draft` with the most tokens per unit of cost, `E(k) / (1 + k·c)`;
 //! `k = 0` is a plain step. The estimate of `a` is
-//! `(accepted + 1) / (accepted + rejected + 2)` over counts that decay by
+//! `(accepted + 0.8) / (accepted + rejected + 1)` over counts that decay by
 //! [`DECAY`] every step (a verify whose guesses were not all kept counts one
-//! rejection), so a bad stretch turns speculation off and, as its evidence
-//! fades over plain steps, the loop tries again. With `c = 1`, what the
+//! rejection): an optimistic prior worth one observation, so speculation
+//! starts at once; a bad stretch turns it off, and as that evidence fades
+//! over plain steps the loop tries again (sooner when verifies are cheap). With `c = 1`, what the
 //! default `step_many` (one single step per position) costs, no `k > 0`
 //! ever pays and the loop runs plain steps.
 
@@ -40,8 +42,9 @@ pub struct SpeculativeOptions {
     pub max_draft: usize,
     /// Cost of each position after the first in a multi-token step, as a
     /// fraction of a single step (finite, `>= 0`): what the adaptive rule
-    /// weighs acceptance against. Measure it for the backend at hand.
-    pub position_cost: f64,
+    /// weighs acceptance against. `None`: the backend's own
+    /// ([`Backend::step_many_position_cost`]).
+    pub position_cost: Option<f64>,
     /// Apply the adaptive rule (module docs). Off: every step drafts
     /// `max_draft` tokens whenever the drafter has a guess.
     pub adaptive: bool,
@@ -53,7 +56,7 @@ impl Default for SpeculativeOptions {
             max_new_tokens: 256,
             stop_ids: Vec::new(),
             max_draft: MAX_STEP_TOKENS - 1,
-            position_cost: 0.25,
+            position_cost: None,
             adaptive: true,
         }
     }
@@ -72,11 +75,13 @@ impl SpeculativeOptions {
                 ),
             });
         }
-        if !(self.position_cost.is_finite() && self.position_cost >= 0.0) {
-            return Err(EngineError::InvalidSpeculation {
-                field: "position_cost",
-                reason: format!("{} (must be finite and >= 0)", self.position_cost),
-            });
+        if let Some(c) = self.position_cost {
+            if !(c.is_finite() && c >= 0.0) {
+                return Err(EngineError::InvalidSpeculation {
+                    field: "position_cost",
+                    reason: format!("{c} (must be finite and >= 0)"),
+                });
+            }
         }
         Ok(())
     }
@@ -142,7 +147,7 @@ struct Acceptance {
 impl Acceptance {
     /// Estimated chance that a guess holds, given the ones before it held.
     fn rate(&self) -> f64 {
-        (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+        (self.accepted + 0.8) / (self.accepted + self.rejected + 1.0)
     }
 
     /// The number of guesses worth verifying (0: a plain step).
@@ -200,6 +205,9 @@ pub fn generate_greedy<B: Backend, D: Drafter + ?Sized>(
         });
     }
     let name = backend.kind().name();
+    let cost = opts
+        .position_cost
+        .unwrap_or_else(|| backend.step_many_position_cost());
     let err = |e: B::Error| EngineError::Backend {
         backend: name,
         source: Box::new(e),
@@ -251,7 +259,7 @@ pub fn generate_greedy<B: Backend, D: Drafter + ?Sized>(
         // never writes (and may not fit the cache).
         let remaining = opts.max_new_tokens - out.len();
         let k = if opts.adaptive {
-            acceptance.best_draft(opts.max_draft, opts.position_cost)
+            acceptance.best_draft(opts.max_draft, cost)
         } else {
             opts.max_draft
         }
@@ -458,12 +466,12 @@ mod tests {
         };
         let mut b = CpuBackend::new(w.clone(), prompt.len() + n).unwrap();
         let mut o = opts(n, true);
-        o.position_cost = 0.1;
+        o.position_cost = Some(0.1);
         let got = speculate(&mut b, &mut d, &prompt, &o);
         assert_eq!(got.output_ids, want);
         let s = got.stats;
         assert_eq!(s.accepted, s.proposed);
-        // 49 tokens after the prefill's: the rule ramps up from a 0.5 prior,
+        // 49 tokens after the prefill's: the rule ramps up from its 0.8 prior,
         // then runs 8 tokens per step.
         assert!(s.steps <= 12, "{s:?}");
         assert!(s.tokens_per_step() > 4.0, "{s:?}");
@@ -504,7 +512,7 @@ mod tests {
         assert!(mixed.stats.accepted >= 40, "{:?}", mixed.stats);
         // A verify at full price never pays: plain steps only.
         let mut o = opts(n, true);
-        o.position_cost = 1.0;
+        o.position_cost = Some(1.0);
         let priced = speculate(&mut b, &mut oracle(usize::MAX), &prompt, &o);
         assert_eq!(priced.output_ids, want);
         assert_eq!(priced.stats.verifies, 0);
@@ -600,14 +608,14 @@ mod tests {
             (
                 "position_cost",
                 SpeculativeOptions {
-                    position_cost: f64::NAN,
+                    position_cost: Some(f64::NAN),
                     ..opts(4, true)
                 },
             ),
             (
                 "position_cost",
                 SpeculativeOptions {
-                    position_cost: -1.0,
+                    position_cost: Some(-1.0),
                     ..opts(4, true)
                 },
             ),
@@ -673,6 +681,17 @@ mod tests {
             &opts(n, false),
         );
         assert_eq!(got.output_ids, want);
+        assert!(got.stats.accepted > 0, "{:?}", got.stats);
+        // Left to the rule, a backend whose positions cost full steps
+        // never speculates.
+        let plainly = speculate(
+            &mut b,
+            &mut PromptLookup::default(),
+            &prompt,
+            &opts(n, true),
+        );
+        assert_eq!(plainly.output_ids, want);
+        assert_eq!((plainly.stats.verifies, plainly.stats.steps), (0, n - 1));
         // And the default's per-position output equals the CPU override's.
         let mut c = CpuBackend::new(w, 32).unwrap();
         let toks = [5u32, 6, 7, 8, 9];
