@@ -92,11 +92,12 @@ impl Backend for CpuBackend {
         })
     }
 
-    /// On a CPU each row of a multi-token step costs compute: 0.25 to 0.65
-    /// of a step per extra position was measured with the 0.5B on two busy
-    /// cores (`cargo run --release -p qmk-engine --example speculate_cpu`).
+    /// On a CPU each row of a multi-token step costs compute: 0.07 to 0.65
+    /// of a step per extra position, median 0.35, was measured in two runs
+    /// with the 0.5B on two busy cores (`cargo run --release -p qmk-engine
+    /// --example speculate_cpu`).
     fn step_many_position_cost(&self) -> f64 {
-        0.5
+        0.35
     }
 
     fn logits(&mut self) -> Result<Vec<f32>, ModelError> {
