@@ -1,5 +1,7 @@
 //! The one interface all decoders implement.
 
+use crate::EngineError;
+
 /// Which implementation runs the decode step. A library user switches backend
 /// by changing this one value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -24,6 +26,10 @@ impl BackendKind {
     }
 }
 
+/// Most positions one [`Backend::step_many`] call takes: a speculative
+/// verify step checks the last accepted token plus up to 7 drafted ones.
+pub const MAX_STEP_TOKENS: usize = 8;
+
 /// What one decode step returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepOutput {
@@ -31,12 +37,116 @@ pub struct StepOutput {
     pub argmax: u32,
 }
 
+/// The input of one multi-token step ([`Backend::step_many`]): `T =
+/// 1..=`[`MAX_STEP_TOKENS`] consecutive tokens of one sequence at positions
+/// `start..start + T`, all inside the KV cache. Checked when built, so a
+/// backend receives only a valid run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MultiStep<'a> {
+    tokens: &'a [u32], // [T]
+    start: usize,
+    logits: bool,
+}
+
+impl<'a> MultiStep<'a> {
+    /// `tokens` at positions `start..start + tokens.len()` of a cache of
+    /// `capacity` positions (the backend's [`Backend::capacity`]). Only the
+    /// greedy picks come back unless [`MultiStep::with_logits`] asks for the
+    /// logits too.
+    pub fn new(tokens: &'a [u32], start: usize, capacity: usize) -> Result<Self, EngineError> {
+        if tokens.is_empty() || tokens.len() > MAX_STEP_TOKENS {
+            return Err(EngineError::InvalidStep {
+                field: "tokens",
+                reason: format!(
+                    "{} tokens; a multi-token step takes 1..={MAX_STEP_TOKENS}",
+                    tokens.len()
+                ),
+            });
+        }
+        match start.checked_add(tokens.len()) {
+            Some(end) if end <= capacity => Ok(Self {
+                tokens,
+                start,
+                logits: false,
+            }),
+            _ => Err(EngineError::InvalidStep {
+                field: "start",
+                reason: format!(
+                    "positions {start}..{start}+{} do not fit the KV cache of {capacity} positions",
+                    tokens.len()
+                ),
+            }),
+        }
+    }
+
+    /// Also returns every position's logits (rejection sampling needs
+    /// them; greedy verification does not, and a GPU backend then skips
+    /// `T` logits copies).
+    pub fn with_logits(mut self, yes: bool) -> Self {
+        self.logits = yes;
+        self
+    }
+
+    /// The tokens `[T]`.
+    pub fn tokens(&self) -> &'a [u32] {
+        self.tokens
+    }
+
+    /// Position of the first token.
+    pub fn start(&self) -> usize {
+        self.start
+    }
+
+    /// Number of positions `T` (1..=[`MAX_STEP_TOKENS`]).
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Always false: a run holds at least one token (here for clippy's
+    /// `len_without_is_empty`).
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Whether every position's logits are asked for.
+    pub fn wants_logits(&self) -> bool {
+        self.logits
+    }
+}
+
+/// What one multi-token step returns, position by position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MultiStepOutput {
+    /// Greedy pick after each position `[T]`: `argmax[i]` is the model's next
+    /// token after `tokens[..=i]`, i.e. its guess for position `start + i + 1`.
+    pub argmax: Vec<u32>, // [T]
+    /// Logits `[T, V]` in position order when asked for
+    /// ([`MultiStep::with_logits`]), empty otherwise.
+    pub logits: Vec<f32>, // [T, V] or empty
+}
+
+impl MultiStepOutput {
+    /// Position `start + i`'s logits `[V]`, if they were asked for.
+    pub fn logits_at(&self, i: usize) -> Option<&[f32]> {
+        let t = self.argmax.len();
+        if self.logits.is_empty() || i >= t {
+            return None;
+        }
+        let v = self.logits.len() / t;
+        Some(&self.logits[i * v..(i + 1) * v])
+    }
+}
+
 /// One decode step at a time over a KV cache the backend owns.
 ///
 /// Contract: `step(token, pos)` embeds `token`, runs every layer at position
 /// `pos` (writing K/V for `pos` into the cache, attending over `0..=pos`), and
 /// leaves the logits of that position readable through [`Backend::logits`].
-/// Positions must be fed in order starting at 0 after [`Backend::reset`].
+/// Positions are fed in order starting at 0 after [`Backend::reset`], and a
+/// caller may go back: feeding a position `p` at or before the next one
+/// rewrites `p`, and what was cached at `p` and after is never read again
+/// (attention at `p` reads `0..=p` only). Speculative decoding drops a
+/// rejected draft tail this way.
 pub trait Backend {
     /// The backend's own error type.
     type Error: std::error::Error + Send + Sync + 'static;
@@ -60,6 +170,49 @@ pub trait Backend {
             out = self.step(t, start + i)?;
         }
         Ok(out)
+    }
+
+    /// Runs `run.len()` consecutive decode steps as one: the tokens at
+    /// positions `start..start + T`, each attending causally over the cache
+    /// and the run's earlier positions, K/V written for all `T`. The verify
+    /// step of speculative decoding: feed the last accepted token plus the
+    /// drafted ones, keep the drafts that equal the greedy picks.
+    ///
+    /// Contract:
+    /// * each position's greedy pick and logits are bit-identical to `T`
+    ///   single [`Backend::step`] calls on the same cache, so greedy output
+    ///   does not depend on how positions are grouped;
+    /// * afterwards the caller continues at any position `p <= start + T`
+    ///   (a rejected tail is simply rewritten, see the trait docs), and
+    ///   [`Backend::logits`] holds the last position's logits;
+    /// * tokens outside the vocabulary and positions past the cache are
+    ///   errors; after an error, positions `start..` hold nothing usable
+    ///   (resume at `start` or before).
+    ///
+    /// The default runs `T` single steps (correct everywhere; it saves
+    /// nothing). Backends that can read each weight once for all `T`
+    /// positions override it.
+    fn step_many(&mut self, run: MultiStep<'_>) -> Result<MultiStepOutput, Self::Error> {
+        let mut out = MultiStepOutput {
+            argmax: Vec::with_capacity(run.len()),
+            logits: Vec::new(),
+        };
+        for (i, &t) in run.tokens().iter().enumerate() {
+            out.argmax.push(self.step(t, run.start() + i)?.argmax);
+            if run.wants_logits() {
+                out.logits.extend(self.logits()?);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Cost of each position after the first in [`Backend::step_many`], as
+    /// a fraction of one single step: what speculative decoding weighs
+    /// acceptance against. The default `step_many` runs single steps, so
+    /// the default is 1 (speculation never pays); a backend that overrides
+    /// `step_many` reports its own.
+    fn step_many_position_cost(&self) -> f64 {
+        1.0
     }
 
     /// Logits `[vocab]` of the last step.

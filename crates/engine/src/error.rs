@@ -38,6 +38,22 @@ pub enum EngineError {
         /// The value and what it must be.
         reason: String,
     },
+    /// A multi-token step's input is out of range.
+    #[error("invalid multi-token step: {field}: {reason}")]
+    InvalidStep {
+        /// The field at fault (`tokens`, `start`).
+        field: &'static str,
+        /// The value and what it must be.
+        reason: String,
+    },
+    /// A speculative decoding setting is out of range.
+    #[error("invalid speculative decoding option {field}: {reason}")]
+    InvalidSpeculation {
+        /// The [`crate::speculative::SpeculativeOptions`] field at fault.
+        field: &'static str,
+        /// The value and what it must be.
+        reason: String,
+    },
     /// The backend failed; its error is the source.
     #[error("{backend} backend: {source}")]
     Backend {

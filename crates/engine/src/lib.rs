@@ -1,6 +1,8 @@
 //! Backend-agnostic runtime: the [`Backend`] trait every decoder implements
 //! (the CPU reference, the cudarc and cust CUDA backends), sampling, and the
-//! decode loop written once above them.
+//! decode loop written once above them. [`speculative`] is greedy decoding
+//! with guesses from [`draft`] checked in multi-token steps
+//! ([`Backend::step_many`]): the same output in fewer steps.
 //!
 //! ```
 //! use std::{ops::ControlFlow, sync::Arc};
@@ -25,11 +27,13 @@
 
 mod backend;
 mod cpu;
+pub mod draft;
 mod engine;
 mod error;
 pub mod sampling;
+pub mod speculative;
 
-pub use backend::{Backend, BackendKind, StepOutput};
+pub use backend::{Backend, BackendKind, MultiStep, MultiStepOutput, StepOutput, MAX_STEP_TOKENS};
 pub use cpu::CpuBackend;
 pub use engine::{Engine, GenerateOptions, Generation, StopReason};
 pub use error::EngineError;
