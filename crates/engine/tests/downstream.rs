@@ -1,6 +1,6 @@
 //! The libraries as another project uses them. A fresh crate in a
 //! temporary directory, outside this workspace, depends on `qmk-engine`,
-//! `qmk-model` and `qmk-backend-cudarc`, first by path and then by a
+//! `qmk-model`, `qmk-backend-cudarc` and `qmk-server`, first by path and then by a
 //! `file://` git URL of this repository's HEAD commit; its `main.rs` is the
 //! README's "As a library" program, taken from README.md. The test builds it
 //! offline with this workspace's Cargo.lock (no other versions), runs it on
@@ -32,10 +32,12 @@ use qmk_model::{load_weights, synthetic_weights, Config};
 
 const PACKAGE: &str = "qmk-downstream-check";
 /// The library crates the downstream crate depends on, with their paths.
-const DEPENDENCIES: [(&str, &str); 3] = [
+const DEPENDENCIES: [(&str, &str); 4] = [
     ("qmk-engine", "crates/engine"),
     ("qmk-model", "crates/model"),
     ("qmk-backend-cudarc", "crates/backend-cudarc"),
+    // Built as a dependency too (the program does not start a server).
+    ("qmk-server", "crates/server"),
 ];
 /// An HTTP proxy nothing listens on: a cargo that tries the network fails.
 const NO_NETWORK: &str = "http://127.0.0.1:9";
