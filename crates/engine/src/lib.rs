@@ -1,6 +1,7 @@
 //! Backend-agnostic runtime: the [`Backend`] trait every decoder implements
-//! (the CPU reference, the cudarc and cust CUDA backends), sampling, and the
-//! decode loop written once above them.
+//! (the CPU reference, the cudarc and cust CUDA backends), sampling, the
+//! decode loop written once above them, and text on top of it (stop strings,
+//! streamed deltas: [`text`]).
 //!
 //! ```
 //! use std::{ops::ControlFlow, sync::Arc};
@@ -28,9 +29,11 @@ mod cpu;
 mod engine;
 mod error;
 pub mod sampling;
+pub mod text;
 
 pub use backend::{Backend, BackendKind, StepOutput};
 pub use cpu::CpuBackend;
 pub use engine::{Engine, GenerateOptions, Generation, StopReason};
 pub use error::EngineError;
-pub use sampling::Sampling;
+pub use sampling::{Sampling, SamplingDefaults, SamplingRequest};
+pub use text::{StopMatcher, TextDelta, TextStream};
