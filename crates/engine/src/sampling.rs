@@ -686,7 +686,8 @@ mod tests {
 
     #[test]
     fn every_new_field_is_validated_by_name() {
-        let cases: [(&str, fn(&mut Sampling)); 10] = [
+        type Set = fn(&mut Sampling);
+        let cases: [(&str, Set); 10] = [
             ("min_p", |s| s.min_p = -0.1),
             ("min_p", |s| s.min_p = 1.5),
             ("min_p", |s| s.min_p = f32::NAN),
