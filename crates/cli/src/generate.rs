@@ -134,13 +134,13 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             "stop_string": text.stop_string(),
             "sampling": {
                 "greedy": s.is_greedy(),
-                "temperature": s.temperature,
+                "temperature": decimal(s.temperature),
                 "top_k": s.top_k,
-                "top_p": s.top_p,
-                "min_p": s.min_p,
-                "repetition_penalty": s.repetition_penalty,
-                "presence_penalty": s.presence_penalty,
-                "frequency_penalty": s.frequency_penalty,
+                "top_p": decimal(s.top_p),
+                "min_p": decimal(s.min_p),
+                "repetition_penalty": decimal(s.repetition_penalty),
+                "presence_penalty": decimal(s.presence_penalty),
+                "frequency_penalty": decimal(s.frequency_penalty),
                 "seed": s.seed,
             },
             "prefill_ms": generation.prefill.as_secs_f64() * 1e3,
@@ -161,6 +161,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         eprint_line(&stats_line(&generation, backend_name, seed));
     }
     Ok(())
+}
+
+/// `x` as the double with the same shortest decimal form (0.8, not the
+/// 0.800000011920929 a plain widening gives), for JSON.
+fn decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
 }
 
 /// The prompt: `arg` itself, or stdin for `-` (at most [`MAX_STDIN_BYTES`],

@@ -67,7 +67,8 @@ fn the_models_generation_config_sets_the_defaults_and_the_seed_is_reported() {
         ("top_p", 0.8),
         ("repetition_penalty", 1.1),
     ] {
-        assert!((s[k].as_f64().unwrap() - v).abs() < 1e-6, "{k}: {a}");
+        // Written as in the file (0.8, not 0.800000011920929).
+        assert_eq!(s[k].as_f64().unwrap(), v, "{k}: {a}");
     }
     // A random seed each run, reported: passing it back repeats the run.
     let seed = s["seed"].as_u64().expect("a seed");
@@ -99,7 +100,7 @@ fn the_models_generation_config_sets_the_defaults_and_the_seed_is_reported() {
     let c = gen_json(&m, &["--top-k", "5", "--repetition-penalty", "1"]);
     assert_eq!(c["sampling"]["top_k"], 5);
     assert_eq!(c["sampling"]["repetition_penalty"], 1.0);
-    assert!((c["sampling"]["top_p"].as_f64().unwrap() - 0.8).abs() < 1e-6);
+    assert_eq!(c["sampling"]["top_p"], 0.8);
 }
 
 #[test]
@@ -282,6 +283,19 @@ fn chat_takes_a_fenced_block_as_one_message() {
         prompt_len(replies(&block.stderr)[0]) > prompt_len(replies(&lines.stderr)[0]) + 2,
         "{block:#?}"
     );
+}
+
+#[test]
+fn chat_help_documents_the_input_syntax_and_ctrl_c() {
+    let h = run(&["chat", "--help"]);
+    h.assert_ok();
+    for needle in [
+        "a line `\"\"\"` opens a multi-line message",
+        "Ctrl-C stops a reply",
+        "130",
+    ] {
+        assert!(h.stdout.contains(needle), "{needle}: {}", h.stdout);
+    }
 }
 
 #[cfg(unix)]
