@@ -401,4 +401,99 @@ mod tests {
         assert_eq!(s.stop_string(), None);
         assert!(deltas.last().unwrap().ends_with("of it"), "{deltas:?}");
     }
+
+    /// A backend that says `script` in order, whatever it is fed.
+    struct Script {
+        script: Vec<u32>,
+        next: usize,
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("never fails")]
+    struct Never;
+
+    impl Backend for Script {
+        type Error = Never;
+        fn kind(&self) -> crate::BackendKind {
+            crate::BackendKind::Cpu
+        }
+        fn capacity(&self) -> usize {
+            1024
+        }
+        fn step(&mut self, _token: u32, _pos: usize) -> Result<crate::StepOutput, Never> {
+            let argmax = self.script[self.next % self.script.len()];
+            self.next += 1;
+            Ok(crate::StepOutput { argmax })
+        }
+        fn logits(&mut self) -> Result<Vec<f32>, Never> {
+            unreachable!("greedy without a penalty never reads logits")
+        }
+        fn reset(&mut self) -> Result<(), Never> {
+            self.next = 0;
+            Ok(())
+        }
+    }
+
+    /// Runs the engine over a backend that says `text`; returns the
+    /// generation, the deltas the callback saw and the stream.
+    fn generate(
+        text: &str,
+        stops: &[&str],
+        mut on_delta: impl FnMut(&str) -> ControlFlow<()>,
+    ) -> (Generation, Vec<String>, TextStream, Vec<u32>) {
+        let tok = tokenizer();
+        let script = tok.encode(text).unwrap();
+        // The prompt's last step yields the first scripted id.
+        let mut e = Engine::new(
+            Script {
+                script: script.clone(),
+                next: 0,
+            },
+            tok.vocab_size(),
+        );
+        let opts = GenerateOptions {
+            max_new_tokens: script.len(),
+            ..GenerateOptions::default()
+        };
+        let mut stream = TextStream::new(&tok, StopMatcher::new(stops.iter().copied()).unwrap());
+        let mut deltas = Vec::new();
+        let g = e
+            .generate_text(&[1], &opts, &mut stream, |d| {
+                deltas.push(d.to_string());
+                on_delta(d)
+            })
+            .unwrap();
+        (g, deltas, stream, script)
+    }
+
+    #[test]
+    fn generate_text_ends_at_a_stop_string_and_never_shows_part_of_it() {
+        let text = "First line.\n\nSecond line, more words.";
+        let (g, deltas, s, script) = generate(text, &["\n\nSec"], |_| ControlFlow::Continue(()));
+        assert_eq!(g.stop, StopReason::StopString);
+        assert_eq!(deltas.concat(), "First line.");
+        assert_eq!(s.text(), "First line.");
+        assert!(deltas.iter().all(|d| !d.contains('\n')), "{deltas:?}");
+        // The output ends with the token that completed the stop string.
+        let n = g.output_ids.len();
+        assert!(n < script.len());
+        assert_eq!(g.output_ids, script[..n]);
+        let tok = tokenizer();
+        assert!(tok.decode(&g.output_ids, true).unwrap().contains("\n\nSec"));
+        assert!(!tok
+            .decode(&g.output_ids[..n - 1], true)
+            .unwrap()
+            .contains("\n\nSec"));
+
+        // No stop string met: the whole text, ended by length.
+        let (g, deltas, s, _) = generate(text, &["zzz"], |_| ControlFlow::Continue(()));
+        assert_eq!(g.stop, StopReason::Length);
+        assert_eq!(deltas.concat(), text);
+        assert_eq!(s.stop_string(), None);
+
+        // The callback stops it: the caller's stop, not the stop string's.
+        let (g, deltas, _, _) = generate(text, &["\n\nSec"], |_| ControlFlow::Break(()));
+        assert_eq!(g.stop, StopReason::Caller);
+        assert_eq!(deltas.len(), 1, "{deltas:?}");
+    }
 }
