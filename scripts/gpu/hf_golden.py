@@ -73,8 +73,12 @@ with open(a.prompts) as f, open(a.out, "w") as out:
                                            add_generation_prompt=True)
         ids = tok(text, return_tensors="pt").input_ids
         with torch.no_grad():
+            # Greedy over the raw logits: do_sample=False alone would still
+            # apply a repetition_penalty from the model's generation_config.json
+            # (qwen-mk's --temperature 0 does not).
             g = m.generate(ids, max_new_tokens=a.new_tokens, do_sample=False, output_scores=True,
-                           return_dict_in_generate=True, eos_token_id=None, pad_token_id=151643)
+                           return_dict_in_generate=True, eos_token_id=None, pad_token_id=151643,
+                           repetition_penalty=1.0)
         gen = g.sequences[0, ids.shape[1]:].tolist()
         top5 = []
         for s in g.scores:

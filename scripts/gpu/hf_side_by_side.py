@@ -199,8 +199,10 @@ def time_decode(model, runs):
     import torch
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, 151000, (1, 8), device="cuda", generator=g)
+    # repetition_penalty=1.0: plain greedy, as qwen-mk's; do_sample=False alone
+    # keeps a penalty from the model's generation_config.json.
     kw = dict(do_sample=False, min_new_tokens=NEW_TOKENS, max_new_tokens=NEW_TOKENS,
-              pad_token_id=151643, attention_mask=torch.ones_like(ids))
+              pad_token_id=151643, attention_mask=torch.ones_like(ids), repetition_penalty=1.0)
     with torch.inference_mode():
         model.generate(ids, **dict(kw, min_new_tokens=8, max_new_tokens=8))  # warm-up
         ts = []

@@ -9,7 +9,10 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::builder::TypedValueParser;
 use clap::{Args, ValueEnum};
-use qmk_engine::{Backend, BackendKind, EngineError, GenerateOptions, Generation, Sampling};
+use qmk_engine::{
+    Backend, BackendKind, EngineError, GenerateOptions, Generation, SamplingDefaults,
+    SamplingRequest, StopMatcher,
+};
 use qmk_model::chat::{ChatTemplate, Message};
 use qmk_model::config::GenerationConfig;
 use qmk_model::tokenizer::Tokenizer;
@@ -18,6 +21,7 @@ use qmk_model::{Config, Weights};
 use crate::backend::AnyBackend;
 use crate::gpu::{self, GpuError};
 use crate::hub;
+use crate::output::usage;
 use crate::ui::Ui;
 
 /// Most KV-cache positions a flag may ask for: positions are 32-bit in the
@@ -136,7 +140,8 @@ pub struct RunArgs {
     pub quiet: bool,
 }
 
-/// Sampling and stopping.
+/// Sampling and stopping. The sampling values left unset come from the
+/// model's `generation_config.json` (see [`SamplingArgs::options`]).
 #[derive(Debug, Clone, Args)]
 pub struct SamplingArgs {
     /// Upper bound on generated tokens (cut to what fits the context).
@@ -144,52 +149,129 @@ pub struct SamplingArgs {
           value_parser = whole::<usize>(1..=MAX_POSITIONS))]
     pub max_new_tokens: usize,
 
-    /// Softmax temperature, finite and >= 0; 0 (the default) is greedy
-    /// decoding.
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true,
+    /// Softmax temperature, finite and >= 0; 0 is greedy decoding (the
+    /// argmax of the logits). Default: the model's generation_config.json
+    /// (greedy when it does not sample or is missing).
+    #[arg(long, value_name = "T", allow_negative_numbers = true,
           value_parser = real("a finite number >= 0", |t| t.is_finite() && t >= 0.0))]
-    pub temperature: f32,
+    pub temperature: Option<f32>,
 
-    /// Sample only among the K most likely tokens (0: no limit).
-    #[arg(long, default_value_t = 0, value_name = "K", allow_negative_numbers = true,
+    /// Sample only among the K most likely tokens (0: no limit). Default:
+    /// the model's.
+    #[arg(long, value_name = "K", allow_negative_numbers = true,
           value_parser = whole::<usize>(0..=u32::MAX as i64))]
-    pub top_k: usize,
+    pub top_k: Option<usize>,
 
     /// Sample only from the smallest set of tokens whose probability reaches
-    /// P, in (0, 1].
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true, value_name = "P",
+    /// P, in (0, 1]. Default: the model's.
+    #[arg(long, allow_negative_numbers = true, value_name = "P",
           value_parser = real("in (0, 1]", |p| p > 0.0 && p <= 1.0))]
-    pub top_p: f32,
+    pub top_p: Option<f32>,
 
-    /// Seed for sampling: the same seed gives the same tokens.
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
-    pub seed: u64,
+    /// Drop tokens less likely than P times the most likely one, in [0, 1]
+    /// (0: off). Default: the model's.
+    #[arg(long, allow_negative_numbers = true, value_name = "P",
+          value_parser = real("in [0, 1]", |p| (0.0..=1.0).contains(&p)))]
+    pub min_p: Option<f32>,
+
+    /// Divide positive and multiply negative logits of every token already
+    /// in the prompt or the reply by R, finite and > 0 (1: off). Default:
+    /// the model's when sampling, 1 with --temperature 0.
+    #[arg(long, allow_negative_numbers = true, value_name = "R",
+          value_parser = real("a finite number > 0", |r| r.is_finite() && r > 0.0))]
+    pub repetition_penalty: Option<f32>,
+
+    /// Subtract X from the logit of every token generated so far, in
+    /// [-2, 2] (0: off).
+    #[arg(long, allow_negative_numbers = true, value_name = "X",
+          value_parser = real("in [-2, 2]", |x| (-2.0..=2.0).contains(&x)))]
+    pub presence_penalty: Option<f32>,
+
+    /// Subtract X times its count from the logit of every token generated
+    /// so far, in [-2, 2] (0: off).
+    #[arg(long, allow_negative_numbers = true, value_name = "X",
+          value_parser = real("in [-2, 2]", |x| (-2.0..=2.0).contains(&x)))]
+    pub frequency_penalty: Option<f32>,
+
+    /// Seed for sampling: the same seed gives the same tokens. Default: a
+    /// random seed, reported (`--json`, the stats line) so the run can be
+    /// repeated.
+    #[arg(long, allow_negative_numbers = true)]
+    pub seed: Option<u64>,
+
+    /// End the reply where the text contains S (not shown, not kept);
+    /// repeatable, at most 16, each 1 to 256 bytes.
+    #[arg(long, value_name = "S", value_parser = stop_string)]
+    pub stop: Vec<String>,
 
     /// Keep generating past the model's end-of-turn / end-of-text tokens.
     #[arg(long)]
     pub ignore_eos: bool,
 }
 
+/// The parser of `--stop`: non-empty and at most the engine's length.
+fn stop_string(s: &str) -> std::result::Result<String, String> {
+    if s.is_empty() {
+        return Err("an empty stop string never ends anything".into());
+    }
+    if s.len() > qmk_engine::text::MAX_STOP_BYTES {
+        return Err(format!(
+            "a stop string of {} bytes is longer than {}",
+            s.len(),
+            qmk_engine::text::MAX_STOP_BYTES
+        ));
+    }
+    Ok(s.to_string())
+}
+
 impl SamplingArgs {
-    /// Checks the values before anything is downloaded or loaded.
-    pub fn sampling(&self) -> Result<Sampling> {
-        let s = Sampling {
+    /// The flags as a request: the values given, the rest left to the
+    /// model's defaults.
+    pub fn request(&self) -> SamplingRequest {
+        SamplingRequest {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
             seed: self.seed,
-        };
-        // The parser has checked each value; the engine's check stays the
-        // authority on what the sampler accepts.
-        s.validate().map_err(engine_error)?;
-        Ok(s)
+        }
     }
 
-    pub fn options(&self, stop_ids: Vec<u32>) -> Result<GenerateOptions> {
+    /// Checks the values before anything is downloaded or loaded: each flag
+    /// on its own (its parser), the stop strings, and the set against
+    /// greedy defaults.
+    pub fn check(&self) -> Result<()> {
+        if self.stop.len() > qmk_engine::text::MAX_STOP_STRINGS {
+            return Err(usage(format!(
+                "--stop: {} stop strings, at most {}",
+                self.stop.len(),
+                qmk_engine::text::MAX_STOP_STRINGS
+            )));
+        }
+        self.stop_matcher()?;
+        self.request()
+            .resolve(&SamplingDefaults::GREEDY)
+            .map_err(engine_error)?;
+        Ok(())
+    }
+
+    /// A matcher for the `--stop` strings.
+    pub fn stop_matcher(&self) -> Result<StopMatcher> {
+        StopMatcher::new(self.stop.iter().cloned()).map_err(engine_error)
+    }
+
+    /// The generation options for `model`: the sampling flags given, else
+    /// the model's `generation_config.json` values, else greedy (see
+    /// [`SamplingRequest::resolve`]); an unset seed is drawn at random.
+    pub fn options(&self, model: &Model) -> Result<GenerateOptions> {
+        let defaults = SamplingDefaults::from_generation_config(&model.generation);
         Ok(GenerateOptions {
             max_new_tokens: self.max_new_tokens,
-            sampling: self.sampling()?,
-            stop_ids,
+            sampling: self.request().resolve(&defaults).map_err(engine_error)?,
+            stop_ids: model.stop_ids(),
             ignore_eos: self.ignore_eos,
         })
     }
@@ -557,16 +639,18 @@ pub fn engine_error(e: EngineError) -> anyhow::Error {
     }
 }
 
-/// The closing stats line.
-pub fn stats_line(g: &Generation, backend: &str) -> String {
+/// The closing stats line; `seed` when the tokens were sampled (so the
+/// run can be repeated with `--seed`).
+pub fn stats_line(g: &Generation, backend: &str, seed: Option<u64>) -> String {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let prefill_rate = if g.prefill.is_zero() {
         0.0
     } else {
         g.prompt_ids.len() as f64 / g.prefill.as_secs_f64()
     };
+    let sampled = seed.map_or(String::new(), |s| format!("; sampled with --seed {s}"));
     format!(
-        "[{backend}] prompt {} tokens, prefill {:.1} ms ({:.1} tok/s); generated {} tokens, decode {:.2} tok/s",
+        "[{backend}] prompt {} tokens, prefill {:.1} ms ({:.1} tok/s); generated {} tokens, decode {:.2} tok/s{sampled}",
         g.prompt_ids.len(),
         ms(g.prefill),
         prefill_rate,

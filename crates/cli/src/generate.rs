@@ -5,7 +5,7 @@ use std::ops::ControlFlow;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use qmk_engine::{Backend, Engine, StopReason};
+use qmk_engine::{Backend, Engine, TextStream};
 use qmk_model::chat::Message;
 
 use crate::common::{
@@ -40,7 +40,8 @@ pub struct GenerateArgs {
     pub run: RunArgs,
 
     /// Print one JSON object instead of streaming text: model, backend,
-    /// prompt_ids, output_ids, text, prefill_ms, decode_tok_per_s.
+    /// prompt_ids, output_ids, text, stop, stop_string, sampling (the
+    /// values used, seed included), prefill_ms, decode_tok_per_s.
     #[arg(long)]
     pub json: bool,
 
@@ -58,7 +59,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("empty prompt: give some text with --prompt");
     }
-    args.sampling.sampling()?;
+    args.sampling.check()?;
     let target = choose_target(args.run.backend, &ui)?;
 
     let model = Model::open(&args.model, &ui)?;
@@ -83,7 +84,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         args.run.context,
         &ui,
     )?;
-    let mut opts = args.sampling.options(model.stop_ids())?;
+    let mut opts = args.sampling.options(&model)?;
     if opts.stop_ids.is_empty() && !opts.ignore_eos {
         ui.note("note: the model names no end-of-text token; generating until --max-new-tokens");
     }
@@ -98,72 +99,74 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     }
     let mut engine = Engine::new(backend, model.config.vocab_size);
 
-    let mut stream = (!args.json).then(|| model.tokenizer.stream_decoder(true));
+    let mut text = TextStream::new(&model.tokenizer, args.sampling.stop_matcher()?);
     let mut out = std::io::stdout().lock();
     let mut write_err: Option<std::io::Error> = None;
-    let mut decode_err = None;
     let generation = engine
-        .generate(&prompt_ids, &opts, |tok| {
-            let Some(dec) = stream.as_mut() else {
+        .generate_text(&prompt_ids, &opts, &mut text, |delta| {
+            if args.json {
                 return ControlFlow::Continue(());
-            };
-            match dec.push(tok) {
-                Ok(Some(text)) => {
-                    if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
-                        write_err = Some(e);
-                        return ControlFlow::Break(());
-                    }
-                }
-                Ok(None) => {}
+            }
+            match out.write_all(delta.as_bytes()).and_then(|_| out.flush()) {
+                Ok(()) => ControlFlow::Continue(()),
                 Err(e) => {
-                    decode_err = Some(e);
-                    return ControlFlow::Break(());
+                    write_err = Some(e);
+                    ControlFlow::Break(())
                 }
             }
-            ControlFlow::Continue(())
         })
         .map_err(engine_error)?;
-    if let Some(e) = decode_err {
-        return Err(e.into());
-    }
     if let Some(e) = write_err {
         // A closed pipe (`| head`) ends the run quietly (output::finish).
         return Err(stdout_error(e));
     }
 
-    let mut text = String::new();
+    let s = &opts.sampling;
+    let mut line = String::new();
     if args.json {
-        let decoded = model.tokenizer.decode(&generation.output_ids, true)?;
         let mut obj = serde_json::json!({
             "model": model.name,
             "backend": backend_name,
             "prompt_ids": generation.prompt_ids,
             "output_ids": generation.output_ids,
-            "text": decoded,
+            "text": text.text(),
+            "stop": generation.stop.name(),
+            "stop_string": text.stop_string(),
+            "sampling": {
+                "greedy": s.is_greedy(),
+                "temperature": decimal(s.temperature),
+                "top_k": s.top_k,
+                "top_p": decimal(s.top_p),
+                "min_p": decimal(s.min_p),
+                "repetition_penalty": decimal(s.repetition_penalty),
+                "presence_penalty": decimal(s.presence_penalty),
+                "frequency_penalty": decimal(s.frequency_penalty),
+                "seed": s.seed,
+            },
             "prefill_ms": generation.prefill.as_secs_f64() * 1e3,
             "decode_tok_per_s": generation.decode_tok_per_s(),
-            "stop": match generation.stop {
-                StopReason::Eos => "eos",
-                StopReason::Length => "length",
-                StopReason::Caller => "caller",
-            },
         });
         if args.top_logprobs > 0 {
             let top = engine.backend_mut().take_top_logprobs();
             obj["top_logprobs"] = serde_json::to_value(top)?;
         }
-        text = obj.to_string();
-    } else if let Some(rest) = stream.as_mut().map(|d| d.flush()).transpose()?.flatten() {
-        text = rest;
+        line = obj.to_string();
     }
-    text.push('\n');
-    out.write_all(text.as_bytes())
+    line.push('\n');
+    out.write_all(line.as_bytes())
         .and_then(|()| out.flush())
         .map_err(stdout_error)?;
     if !ui.quiet() {
-        eprint_line(&stats_line(&generation, backend_name));
+        let seed = (!s.is_greedy()).then_some(s.seed);
+        eprint_line(&stats_line(&generation, backend_name, seed));
     }
     Ok(())
+}
+
+/// `x` as the double with the same shortest decimal form (0.8, not the
+/// 0.800000011920929 a plain widening gives), for JSON.
+fn decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
 }
 
 /// The prompt: `arg` itself, or stdin for `-` (at most [`MAX_STDIN_BYTES`],

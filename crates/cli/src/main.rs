@@ -34,6 +34,12 @@ enum Command {
     /// Generate a completion for a prompt.
     Generate(generate::GenerateArgs),
     /// Chat interactively, or over stdin.
+    ///
+    /// One line is one message; a line `"""` opens a multi-line message
+    /// that the next line `"""` closes (pasted code stays one message).
+    /// /reset clears the history; /exit or Ctrl-D quits. Ctrl-C stops a
+    /// reply (the part shown stays in the conversation); at the prompt it
+    /// quits (exit code 130).
     Chat(chat::ChatArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(serve::ServeArgs),

@@ -68,6 +68,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         template,
         stop_ids: model.stop_ids(),
         vocab_size: model.config.vocab_size,
+        sampling: qmk_engine::SamplingDefaults::from_generation_config(&model.generation),
     };
     let config = ServerConfig {
         api_key: args.api_key.clone(),

@@ -50,6 +50,9 @@ fn chat_args<'a>(m: &'a str, new_tokens: &'a str, extra: &[&'a str]) -> Vec<&'a 
 
 // ---- usage errors ---------------------------------------------------------
 
+/// A stop string one byte past the limit.
+static LONG_STOP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| "s".repeat(257));
+
 #[test]
 fn flag_values_that_size_memory_or_work_are_bounded() {
     // Checked by the parser: no model is looked at (this one does not exist).
@@ -102,6 +105,39 @@ fn flag_values_that_size_memory_or_work_are_bounded() {
         (&["--top-p", "1.5"], &["--top-p", "(0, 1]"]),
         (&["--top-p", "-0.5"], &["--top-p", "(0, 1]"]),
         (&["--seed", "-1"], &["--seed", "-1"]),
+        (&["--min-p", "-0.1"], &["--min-p", "in [0, 1]"]),
+        (&["--min-p", "1.5"], &["--min-p", "in [0, 1]"]),
+        (&["--min-p", "NaN"], &["--min-p", "in [0, 1]"]),
+        (
+            &["--repetition-penalty", "0"],
+            &["--repetition-penalty", "a finite number > 0"],
+        ),
+        (
+            &["--repetition-penalty", "-1.1"],
+            &["--repetition-penalty", "a finite number > 0"],
+        ),
+        (
+            &["--repetition-penalty", "inf"],
+            &["--repetition-penalty", "a finite number > 0"],
+        ),
+        (
+            &["--presence-penalty", "2.5"],
+            &["--presence-penalty", "in [-2, 2]"],
+        ),
+        (
+            &["--presence-penalty", "NaN"],
+            &["--presence-penalty", "in [-2, 2]"],
+        ),
+        (
+            &["--frequency-penalty", "-3"],
+            &["--frequency-penalty", "in [-2, 2]"],
+        ),
+        (&["--stop", ""], &["--stop", "empty stop string"]),
+        (
+            &["--stop", LONG_STOP.as_str()],
+            &["--stop", "longer than 256"],
+        ),
+        (&["--stop"], &["--stop"]),
         (
             &["--revision", "../../x"],
             &["--revision", "not a branch, tag or commit"],
@@ -109,8 +145,16 @@ fn flag_values_that_size_memory_or_work_are_bounded() {
     ] {
         g(args).assert_usage_error(needles);
     }
+    // More than 16 stop strings: refused before the model is looked at.
+    let mut many = Vec::new();
+    for _ in 0..17 {
+        many.extend(["--stop", "x"]);
+    }
+    g(&many).assert_usage_error(&["--stop", "17 stop strings", "at most 16"]);
     run(&["chat", "--model", "nobody/nothing", "--context", "0"])
         .assert_usage_error(&["--context", "1..=4294967295"]);
+    run(&["chat", "--model", "nobody/nothing", "--min-p", "2"])
+        .assert_usage_error(&["--min-p", "in [0, 1]"]);
     run(&["plan", "--preset", "0.5b", "--context", "0"])
         .assert_usage_error(&["--context", "1..=4294967295"]);
     run(&["plan", "--preset", "0.5b", "--context", "5000000000"])

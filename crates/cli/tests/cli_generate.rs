@@ -74,6 +74,8 @@ fn raw_system_and_top_logprobs() {
         "--max-new-tokens",
         "4",
         "--ignore-eos",
+        "--temperature",
+        "0",
         "--json",
         "--top-logprobs",
         "3",
@@ -132,6 +134,8 @@ fn streaming_prints_text_and_a_stats_line() {
         "--max-new-tokens",
         "6",
         "--ignore-eos",
+        "--temperature",
+        "0",
     ]);
     r.assert_ok();
     let j = run(&[
@@ -145,6 +149,8 @@ fn streaming_prints_text_and_a_stats_line() {
         "--max-new-tokens",
         "6",
         "--ignore-eos",
+        "--temperature",
+        "0",
         "--json",
     ])
     .json();
@@ -237,6 +243,8 @@ fn stops_at_end_of_text_unless_ignored() {
         "--max-new-tokens",
         "3",
         "--ignore-eos",
+        "--temperature",
+        "0",
         "--json",
     ])
     .json();

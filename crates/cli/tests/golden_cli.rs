@@ -1,6 +1,7 @@
 //! The golden check through the CLI: for each of the 8 golden prompts,
 //! `qwen-mk generate --model $QMK_REAL_QWEN --backend cpu --max-new-tokens 48
-//! --ignore-eos --json --top-logprobs 5 [--raw]` must give `prompt_ids` equal
+//! --ignore-eos --temperature 0 --json --top-logprobs 5 [--raw]` (greedy:
+//! the model's own sampling defaults would apply otherwise) must give `prompt_ids` equal
 //! to Hugging Face's `input_ids`, and `output_ids` passing the golden rule
 //! (vLLM's check_logprobs_close): identical up to the first divergence;
 //! there, each side's token is in the other's top 5.
@@ -93,6 +94,8 @@ fn golden_prompts_through_the_cli() {
             "--max-new-tokens",
             "48",
             "--ignore-eos",
+            "--temperature",
+            "0",
             "--json",
             "--top-logprobs",
             "5",

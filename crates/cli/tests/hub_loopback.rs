@@ -64,6 +64,8 @@ fn generate_rev(
             "--max-new-tokens",
             "4",
             "--ignore-eos",
+            "--temperature",
+            "0",
             "--json",
         ],
         &env,

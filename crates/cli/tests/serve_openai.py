@@ -1,16 +1,18 @@
 """`qwen-mk serve` against the official `openai` client, on a real model.
 
 Starts `qwen-mk serve` (CPU backend by default) on a free loopback port and
-checks: /v1/models, chat completion, streaming (the deltas add up to the
-whole answer), completions, a tool call with a weather function, greedy chat
-equal to `qwen-mk generate`, wrong and missing keys (401), an unknown model
-(404), an over-long prompt and n > 1 (400), malformed bodies and an
-oversized body over raw HTTP with curl (400 / 413), 8 concurrent clients
-getting the answers they get alone, and a client that hangs up mid-stream
-freeing the engine (the server's log shows its generation cancelled).
+checks: /v1/models, chat completion, streaming (a sampled answer streamed
+with the same seed equals the whole one), a drawn seed reported and
+reproducing its answer, stop strings (whole and streamed), completions, a
+tool call with a weather function, greedy chat equal to `qwen-mk generate`,
+wrong and missing keys (401), an unknown model (404), an over-long prompt
+and n > 1 (400), malformed bodies and an oversized body over raw HTTP with
+curl (400 / 413), 8 concurrent clients getting the answers they get alone,
+and a client that hangs up mid-stream freeing the engine (the server's log
+shows its generation cancelled).
 
-Every request is greedy (temperature 0) and short, so the CPU backend runs
-the whole script in a few minutes. Exits non-zero on any failure; the last
+Every request is short and most are greedy (temperature 0), so the CPU
+backend runs the whole script in a few minutes. Exits non-zero on any failure; the last
 line is `serve-openai: N passed, N failed`.
 
 usage: python serve_openai.py --qwen-mk BIN --model DIR [--backend cpu]
@@ -203,8 +205,13 @@ def run_checks(checks, client, server, args):
         ms = client.models.list().data
         expect([m.id for m in ms] == ["qwen-test"], f"models: {ms}")
 
+    def seed_of(r):
+        return (r.model_extra or {}).get("seed")
+
     def chat_whole():
-        r = chat(client, "Write a haiku about the sea.", seed=7)
+        # Sampled, with a seed: the streamed answer below must be the same.
+        r = chat(client, "Write a haiku about the sea.", seed=7, temperature=0.8)
+        expect(seed_of(r) == 7, f"seed reported: {seed_of(r)}")
         c = r.choices[0]
         expect(c.message.role == "assistant", c)
         expect(c.message.content, f"empty answer: {r}")
@@ -217,7 +224,7 @@ def run_checks(checks, client, server, args):
     def chat_streamed():
         whole = state["haiku"]
         stream = chat(
-            client, "Write a haiku about the sea.", seed=7, stream=True,
+            client, "Write a haiku about the sea.", seed=7, temperature=0.8, stream=True,
             stream_options={"include_usage": True},
         )
         text, finish, usage = streamed_text(stream)
@@ -239,6 +246,30 @@ def run_checks(checks, client, server, args):
         expect(r.choices[0].message.content == g["text"], f"{r.choices[0].message.content!r} != {g['text']!r}")
         expect(r.usage.prompt_tokens == len(g["prompt_ids"]), (r.usage, len(g["prompt_ids"])))
         expect(r.usage.completion_tokens == len(g["output_ids"]), (r.usage, len(g["output_ids"])))
+
+    def drawn_seed_reproduces():
+        # No seed: the server draws one and reports it; asking with it gives
+        # the same answer.
+        a = chat(client, "Say something about rivers.", temperature=1.0)
+        seed = seed_of(a)
+        expect(isinstance(seed, int), f"no seed in {a}")
+        b = chat(client, "Say something about rivers.", temperature=1.0, seed=seed)
+        expect(seed_of(b) == seed, (seed_of(b), seed))
+        expect(a.choices[0].message.content == b.choices[0].message.content,
+               f"{a.choices[0].message.content!r} != {b.choices[0].message.content!r}")
+
+    def stop_string():
+        prompt = "Count from one to ten in words, separated by commas."
+        whole = chat(client, prompt, max_tokens=16).choices[0].message.content
+        words = [w for w in whole.replace(",", " ").split() if len(w) > 2]
+        expect(len(words) >= 3, f"too short to cut: {whole!r}")
+        stop = words[2]
+        want = whole[: whole.index(stop)]
+        r = chat(client, prompt, max_tokens=16, stop=[stop, "never-there"])
+        expect(r.choices[0].message.content == want, f"{r.choices[0].message.content!r} != {want!r}")
+        expect(r.choices[0].finish_reason == "stop", r.choices[0].finish_reason)
+        text, finish, _ = streamed_text(chat(client, prompt, max_tokens=16, stop=[stop], stream=True))
+        expect(text == want and finish == "stop", (text, want, finish))
 
     def completions():
         kw = dict(model="qwen-test", prompt="def fibonacci(n):", max_tokens=MAX_TOKENS, temperature=0)
@@ -367,6 +398,8 @@ def run_checks(checks, client, server, args):
         ("completions, whole and streamed", completions),
         ("tool call with a weather function", tool_call),
         ("wrong or missing key: 401", wrong_key),
+        ("a drawn seed is reported and reproduces the answer", drawn_seed_reproduces),
+        ("stop strings end the answer before them, streamed too", stop_string),
         ("unknown model: 404", unknown_model),
         ("over-long prompt: 400", over_long),
         ("n > 1: 400", n_above_one),

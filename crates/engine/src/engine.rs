@@ -3,7 +3,7 @@
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
-use crate::sampling::{sample, Rng, Sampling};
+use crate::sampling::{choose, Rng, Sampling, TokenHistory};
 use crate::{Backend, EngineError};
 
 /// What to generate and when to stop.
@@ -39,6 +39,22 @@ pub enum StopReason {
     Length,
     /// The caller's callback asked to stop.
     Caller,
+    /// The text contains one of the stop strings (see [`crate::text`]); the
+    /// output ids end with the token that completed it.
+    StopString,
+}
+
+impl StopReason {
+    /// A short lowercase name for logs and JSON: `eos`, `length`, `caller`,
+    /// `stop_string`.
+    pub fn name(self) -> &'static str {
+        match self {
+            StopReason::Eos => "eos",
+            StopReason::Length => "length",
+            StopReason::Caller => "caller",
+            StopReason::StopString => "stop_string",
+        }
+    }
 }
 
 /// The result of one `generate` call.
@@ -155,8 +171,15 @@ impl<B: Backend> Engine<B> {
         self.check(prompt, opts)?;
         let start = Instant::now();
         self.backend.reset().map_err(|e| self.backend_err(e))?;
-        let mut rng = Rng::new(opts.sampling.seed);
-        let greedy = opts.sampling.is_greedy();
+        let s = &opts.sampling;
+        let mut rng = Rng::new(s.seed);
+        // Greedy without a penalty is the backend's own pick: no logits copy.
+        let backend_pick = s.is_greedy() && !s.has_penalty();
+        let mut history = if s.has_penalty() {
+            TokenHistory::new(prompt)
+        } else {
+            TokenHistory::default()
+        };
         let mut out = Vec::with_capacity(opts.max_new_tokens);
         let mut stop = StopReason::Length;
         let mut prefill = Duration::ZERO;
@@ -177,12 +200,15 @@ impl<B: Backend> Engine<B> {
         let mut pos = prompt.len();
         let mut decode_start = start;
         loop {
-            let tok = if greedy {
+            let tok = if backend_pick {
                 greedy_pick
             } else {
-                let logits = self.backend.logits().map_err(|e| self.backend_err(e))?;
-                sample(&logits, &opts.sampling, &mut rng)
+                let mut logits = self.backend.logits().map_err(|e| self.backend_err(e))?;
+                choose(&mut logits, s, &history, &mut rng)
             };
+            if s.has_penalty() {
+                history.push(tok);
+            }
             if out.is_empty() {
                 prefill = start.elapsed();
                 decode_start = Instant::now();
@@ -228,6 +254,7 @@ mod tests {
         cap: usize,
         fed: Vec<(u32, usize)>,
         last: u32,
+        logits_calls: usize,
     }
 
     #[derive(Debug, thiserror::Error)]
@@ -251,8 +278,11 @@ mod tests {
             Ok(StepOutput { argmax: self.last })
         }
         fn logits(&mut self) -> Result<Vec<f32>, FakeErr> {
+            self.logits_calls += 1;
             let mut l = vec![0.0; self.vocab];
             l[self.last as usize] = 100.0;
+            // A close second, so that a penalty can change the pick.
+            l[(self.last as usize + 1) % self.vocab] = 99.5;
             Ok(l)
         }
         fn reset(&mut self) -> Result<(), FakeErr> {
@@ -268,6 +298,7 @@ mod tests {
                 cap,
                 fed: vec![],
                 last: 0,
+                logits_calls: 0,
             },
             50,
         )
@@ -317,11 +348,13 @@ mod tests {
         let mut e = engine(64);
         let opts = GenerateOptions {
             max_new_tokens: 10,
+            // The top token holds 0.65 of the mass at this temperature: top-p
+            // 0.5 keeps only it, so the picks are known.
             sampling: Sampling {
                 temperature: 0.8,
-                top_k: 0,
-                top_p: 0.9,
+                top_p: 0.5,
                 seed: 5,
+                ..Sampling::greedy()
             },
             ..Default::default()
         };
@@ -389,5 +422,45 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(err, EngineError::ContextFull { .. }));
+    }
+
+    #[test]
+    fn greedy_reads_logits_only_when_a_penalty_is_set() {
+        let mut e = engine(64);
+        let mut opts = GenerateOptions {
+            max_new_tokens: 1,
+            ..Default::default()
+        };
+        // Feeding 24 then 3 makes 24 the argmax; 24 is also in the prompt.
+        let g = run(&mut e, &[24, 3], &opts).unwrap();
+        assert_eq!(g.output_ids, vec![24]);
+        assert_eq!(e.backend().logits_calls, 0, "greedy: the backend's pick");
+        opts.sampling.repetition_penalty = 1.01;
+        let g = run(&mut e, &[24, 3], &opts).unwrap();
+        // 100 / 1.01 < 99.5: the penalised argmax is 25.
+        assert_eq!(g.output_ids, vec![25]);
+        assert_eq!(e.backend().logits_calls, 1);
+        // Without 24 in the prompt the penalty changes nothing.
+        let g = run(&mut e, &[3], &opts).unwrap();
+        assert_eq!(g.output_ids, vec![24]);
+    }
+
+    #[test]
+    fn frequency_penalty_counts_the_generated_tokens() {
+        // From 3 the picks cycle 24, 21, 0, 3, 24 ... A frequency penalty of
+        // 2 lowers 24's logit to 98 when it comes back (generated once):
+        // its neighbour (99.5) wins, and the chain moves on from there.
+        let mut e = engine(64);
+        let mut opts = GenerateOptions {
+            max_new_tokens: 6,
+            ..Default::default()
+        };
+        let g = run(&mut e, &[3], &opts).unwrap();
+        assert_eq!(g.output_ids, vec![24, 21, 0, 3, 24, 21]);
+        opts.sampling.frequency_penalty = 2.0;
+        let g = run(&mut e, &[3], &opts).unwrap();
+        assert_eq!(g.output_ids, vec![24, 21, 0, 3, 25, 28]);
+        // The prompt's 3 is not generated: no penalty on its first pick.
+        assert_eq!(g.stop.name(), "length");
     }
 }

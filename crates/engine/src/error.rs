@@ -54,6 +54,13 @@ pub enum EngineError {
         /// The value and what it must be.
         reason: String,
     },
+    /// The generated ids could not be turned into text.
+    #[error("cannot decode the generated tokens: {source}")]
+    Detokenize {
+        /// The tokenizer's error (it names the tokenizer file).
+        #[source]
+        source: qmk_model::ModelError,
+    },
     /// The backend failed; its error is the source.
     #[error("{backend} backend: {source}")]
     Backend {
@@ -63,4 +70,11 @@ pub enum EngineError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync + 'static>,
     },
+}
+
+impl EngineError {
+    /// A tokenizer error met while decoding the output.
+    pub fn detokenize(source: qmk_model::ModelError) -> Self {
+        EngineError::Detokenize { source }
+    }
 }

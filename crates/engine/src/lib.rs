@@ -1,7 +1,8 @@
 //! Backend-agnostic runtime: the [`Backend`] trait every decoder implements
-//! (the CPU reference, the cudarc and cust CUDA backends), sampling, and the
-//! decode loop written once above them. [`speculative`] is greedy decoding
-//! with guesses from [`draft`] checked in multi-token steps
+//! (the CPU reference, the cudarc and cust CUDA backends), sampling, the
+//! decode loop written once above them, and text on top of it (stop strings,
+//! streamed deltas: [`text`]). [`speculative`] is greedy decoding with
+//! guesses from [`draft`] checked in multi-token steps
 //! ([`Backend::step_many`]): the same output in fewer steps.
 //!
 //! ```
@@ -32,9 +33,11 @@ mod engine;
 mod error;
 pub mod sampling;
 pub mod speculative;
+pub mod text;
 
 pub use backend::{Backend, BackendKind, MultiStep, MultiStepOutput, StepOutput, MAX_STEP_TOKENS};
 pub use cpu::CpuBackend;
 pub use engine::{Engine, GenerateOptions, Generation, StopReason};
 pub use error::EngineError;
-pub use sampling::Sampling;
+pub use sampling::{Sampling, SamplingDefaults, SamplingRequest};
+pub use text::{StopMatcher, TextDelta, TextStream};

@@ -4,9 +4,9 @@
 //! The field names and types of [`Config`] are what the other crates code
 //! against: extend them, never rename.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
 use crate::error::ModelError;
 
@@ -448,46 +448,32 @@ fn ids_from_value(v: &serde_json::Value) -> Option<Vec<u32>> {
     }
 }
 
-/// `eos_token_id`: an int, a list of ints, or null.
-fn de_token_ids<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
-    let v = serde_json::Value::deserialize(d)?;
-    ids_from_value(&v).ok_or_else(|| {
-        serde::de::Error::custom(format!(
-            "expected a token id or a list of token ids, got {v}"
-        ))
-    })
-}
-
 /// `generation_config.json`: the defaults Hugging Face generation uses.
-/// Every field is optional in the file.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Every field is optional in the file (a `null` counts as absent); fields
+/// not listed here are ignored. Read it with [`GenerationConfig::from_file`]
+/// or [`GenerationConfig::from_json_str`], which check every field.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct GenerationConfig {
     /// Beginning-of-sequence token id.
-    #[serde(default)]
     pub bos_token_id: Option<u32>,
     /// Any of these ends generation; may be an int or a list in the file.
-    #[serde(default, deserialize_with = "de_token_ids")]
     pub eos_token_id: Vec<u32>,
     /// Padding token id.
-    #[serde(default)]
     pub pad_token_id: Option<u32>,
-    /// false: greedy decoding.
-    #[serde(default)]
+    /// false (or absent): greedy decoding; true: sample with the values
+    /// below.
     pub do_sample: bool,
-    /// Sampling temperature.
-    #[serde(default)]
+    /// Sampling temperature, finite and >= 0.
     pub temperature: Option<f64>,
-    /// Top-k sampling cutoff.
-    #[serde(default)]
+    /// Top-k sampling cutoff; 0 = no limit.
     pub top_k: Option<usize>,
-    /// Top-p (nucleus) sampling mass.
-    #[serde(default)]
+    /// Top-p (nucleus) sampling mass, in (0, 1].
     pub top_p: Option<f64>,
-    /// Repetition penalty (the engine does not apply it).
-    #[serde(default)]
+    /// Min-p sampling floor, in [0, 1].
+    pub min_p: Option<f64>,
+    /// Repetition penalty, finite and > 0.
     pub repetition_penalty: Option<f64>,
     /// Default number of tokens to generate.
-    #[serde(default)]
     pub max_new_tokens: Option<usize>,
 }
 
@@ -502,6 +488,7 @@ impl Default for GenerationConfig {
             temperature: None,
             top_k: None,
             top_p: None,
+            min_p: None,
             repetition_penalty: None,
             max_new_tokens: None,
         }
@@ -509,20 +496,118 @@ impl Default for GenerationConfig {
 }
 
 impl GenerationConfig {
-    /// Reads `generation_config.json`; errors name the file.
+    /// Reads `generation_config.json` (a regular file of at most
+    /// [`crate::SMALL_FILE_CAP`] bytes); errors name the file, and the field
+    /// for a value of the wrong type or out of range.
     pub fn from_file(path: &Path) -> Result<GenerationConfig, ModelError> {
         let text = crate::read_small_file(path, crate::SMALL_FILE_CAP)?;
-        serde_json::from_str(&text).map_err(|source| ModelError::Json {
-            path: PathBuf::from(path),
-            source,
+        GenerationConfig::from_json_str(&text, path)
+    }
+
+    /// Parses and checks `generation_config.json` contents; `path` only
+    /// labels errors.
+    pub fn from_json_str(text: &str, path: &Path) -> Result<GenerationConfig, ModelError> {
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|source| ModelError::Json {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        let bad = |field: &'static str, reason: String| ModelError::InvalidConfig {
+            path: path.to_path_buf(),
+            field,
+            reason,
+        };
+        let serde_json::Value::Object(obj) = value else {
+            return Err(bad(
+                "(top level)",
+                format!("expected a JSON object, got {}", kind_of(&value)),
+            ));
+        };
+        let get = |field: &str| obj.get(field).filter(|v| !v.is_null());
+        let id = |field: &'static str| -> Result<Option<u32>, ModelError> {
+            get(field)
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .ok_or_else(|| bad(field, format!("expected a token id, got {}", show(v))))
+                })
+                .transpose()
+        };
+        let whole = |field: &'static str| -> Result<Option<usize>, ModelError> {
+            get(field)
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|n| usize::try_from(n).ok())
+                        .ok_or_else(|| {
+                            bad(
+                                field,
+                                format!("expected a whole number >= 0, got {}", show(v)),
+                            )
+                        })
+                })
+                .transpose()
+        };
+        let real = |field: &'static str,
+                    must: &str,
+                    ok: fn(f64) -> bool|
+         -> Result<Option<f64>, ModelError> {
+            get(field)
+                .map(|v| match v.as_f64() {
+                    Some(x) if ok(x) => Ok(x),
+                    Some(_) => Err(bad(field, format!("{} is not {must}", show(v)))),
+                    None => Err(bad(
+                        field,
+                        format!("expected a number {must}, got {}", show(v)),
+                    )),
+                })
+                .transpose()
+        };
+        let eos_token_id = match get("eos_token_id") {
+            None => Vec::new(),
+            Some(v) => ids_from_value(v).ok_or_else(|| {
+                bad(
+                    "eos_token_id",
+                    format!(
+                        "expected a token id or a list of token ids, got {}",
+                        show(v)
+                    ),
+                )
+            })?,
+        };
+        let do_sample = match get("do_sample") {
+            None => false,
+            Some(serde_json::Value::Bool(b)) => *b,
+            Some(v) => {
+                return Err(bad(
+                    "do_sample",
+                    format!("expected true or false, got {}", show(v)),
+                ))
+            }
+        };
+        Ok(GenerationConfig {
+            bos_token_id: id("bos_token_id")?,
+            eos_token_id,
+            pad_token_id: id("pad_token_id")?,
+            do_sample,
+            temperature: real("temperature", "finite and >= 0", |x| {
+                x.is_finite() && x >= 0.0
+            })?,
+            top_k: whole("top_k")?,
+            top_p: real("top_p", "in (0, 1]", |x| x > 0.0 && x <= 1.0)?,
+            min_p: real("min_p", "in [0, 1]", |x| (0.0..=1.0).contains(&x))?,
+            repetition_penalty: real("repetition_penalty", "finite and > 0", |x| {
+                x.is_finite() && x > 0.0
+            })?,
+            max_new_tokens: whole("max_new_tokens")?,
         })
     }
 
     /// `dir/generation_config.json` if present, else ids from `config`
-    /// (bos, eos) and greedy defaults, as transformers does.
+    /// (bos, eos) and greedy defaults, as transformers does. A path that
+    /// exists but is not a readable regular file is an error naming it.
     pub fn from_dir_or_config(dir: &Path, config: &Config) -> Result<GenerationConfig, ModelError> {
         let path = dir.join("generation_config.json");
-        if path.is_file() {
+        if path.exists() {
             return GenerationConfig::from_file(&path);
         }
         Ok(GenerationConfig {
@@ -530,6 +615,26 @@ impl GenerationConfig {
             eos_token_id: config.eos_token_ids(),
             ..GenerationConfig::default()
         })
+    }
+}
+
+/// A JSON value for an error message, cut to a readable length.
+fn show(v: &serde_json::Value) -> String {
+    let s = v.to_string();
+    match s.char_indices().nth(40) {
+        Some((cut, _)) => format!("{}...", &s[..cut]),
+        None => s,
+    }
+}
+
+fn kind_of(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
     }
 }
 
@@ -823,9 +928,14 @@ mod tests {
         assert!(e.to_string().contains("/nonexistent/config.json"), "{e}");
     }
 
+    fn gen(text: &str) -> Result<GenerationConfig, ModelError> {
+        GenerationConfig::from_json_str(text, Path::new("/m/generation_config.json"))
+    }
+
     #[test]
     fn generation_config_int_or_list() {
-        let g: GenerationConfig = serde_json::from_str(
+        // Qwen2.5-0.5B-Instruct's generation_config.json, verbatim.
+        let g = gen(
             r#"{"bos_token_id": 151643, "pad_token_id": 151643, "do_sample": true,
                 "eos_token_id": [151645, 151643], "repetition_penalty": 1.1,
                 "temperature": 0.7, "top_p": 0.8, "top_k": 20, "transformers_version": "4.37.0"}"#,
@@ -833,20 +943,27 @@ mod tests {
         .unwrap();
         assert_eq!(g.eos_token_id, vec![151645, 151643]);
         assert_eq!(g.top_k, Some(20));
+        assert_eq!(g.temperature, Some(0.7));
+        assert_eq!(g.top_p, Some(0.8));
+        assert_eq!(g.repetition_penalty, Some(1.1));
+        assert_eq!(g.min_p, None);
         assert!(g.do_sample);
-        let g: GenerationConfig = serde_json::from_str(r#"{"eos_token_id": 7}"#).unwrap();
+        let g = gen(r#"{"eos_token_id": 7, "min_p": 0.05}"#).unwrap();
         assert_eq!(g.eos_token_id, vec![7]);
+        assert_eq!(g.min_p, Some(0.05));
         assert_eq!(g.bos_token_id, None);
         assert!(!g.do_sample);
-        let g: GenerationConfig = serde_json::from_str("{}").unwrap();
+        assert_eq!(gen("{}").unwrap(), GenerationConfig::default());
+        // null is absent, as transformers writes it.
+        let g = gen(r#"{"temperature": null, "do_sample": null, "eos_token_id": null}"#).unwrap();
         assert_eq!(g, GenerationConfig::default());
-        assert!(serde_json::from_str::<GenerationConfig>(r#"{"eos_token_id": "x"}"#).is_err());
 
         let dir = tempfile::tempdir().unwrap();
         let c = Config::preset("7b").unwrap();
         let g = GenerationConfig::from_dir_or_config(dir.path(), &c).unwrap();
         assert_eq!(g.eos_token_id, vec![151645]);
         assert_eq!(g.bos_token_id, Some(151643));
+        assert!(!g.do_sample, "no file: greedy, as transformers");
         let p = dir.path().join("generation_config.json");
         std::fs::write(&p, r#"{"eos_token_id": [1, 2]}"#).unwrap();
         assert_eq!(
@@ -856,7 +973,90 @@ mod tests {
             vec![1, 2]
         );
         std::fs::write(&p, r#"{"eos_token_id": [1, -2]}"#).unwrap();
-        let e = GenerationConfig::from_file(&p).unwrap_err();
-        assert!(e.to_string().contains("generation_config.json"), "{e}");
+        let e = GenerationConfig::from_file(&p).unwrap_err().to_string();
+        assert!(
+            e.contains("generation_config.json") && e.contains("eos_token_id"),
+            "{e}"
+        );
+        // A directory in the file's place is an error, not "no file".
+        std::fs::remove_file(&p).unwrap();
+        std::fs::create_dir(&p).unwrap();
+        let e = GenerationConfig::from_dir_or_config(dir.path(), &c)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("generation_config.json") && e.contains("not a regular file"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn hostile_generation_configs_are_refused_naming_file_and_field() {
+        let cases = [
+            (r#"{"temperature": "hot"}"#, "temperature"),
+            (r#"{"temperature": -0.5}"#, "temperature"),
+            (r#"{"temperature": [0.7]}"#, "temperature"),
+            (r#"{"top_p": 0}"#, "top_p"),
+            (r#"{"top_p": 1.5}"#, "top_p"),
+            (r#"{"top_k": -1}"#, "top_k"),
+            (r#"{"top_k": 2.5}"#, "top_k"),
+            (r#"{"top_k": 1e30}"#, "top_k"),
+            (r#"{"min_p": -0.1}"#, "min_p"),
+            (r#"{"min_p": 2}"#, "min_p"),
+            (r#"{"repetition_penalty": 0}"#, "repetition_penalty"),
+            (r#"{"repetition_penalty": -1.1}"#, "repetition_penalty"),
+            (r#"{"do_sample": "yes"}"#, "do_sample"),
+            (r#"{"do_sample": 1}"#, "do_sample"),
+            (r#"{"eos_token_id": "x"}"#, "eos_token_id"),
+            (r#"{"eos_token_id": 4294967296}"#, "eos_token_id"),
+            (r#"{"bos_token_id": -1}"#, "bos_token_id"),
+            (r#"{"pad_token_id": {}}"#, "pad_token_id"),
+            (r#"{"max_new_tokens": -5}"#, "max_new_tokens"),
+            ("[1, 2]", "(top level)"),
+            ("7", "(top level)"),
+        ];
+        for (text, field) in cases {
+            match gen(text) {
+                Err(e @ ModelError::InvalidConfig { field: f, .. }) => {
+                    assert_eq!(f, field, "{text}");
+                    let m = e.to_string();
+                    assert!(
+                        m.contains("/m/generation_config.json") && m.contains(field),
+                        "{m}"
+                    );
+                }
+                other => panic!("{text}: expected InvalidConfig({field}), got {other:?}"),
+            }
+        }
+        // What is not JSON at all: NaN and infinities are not JSON numbers,
+        // nor is 1e999 (out of range), and nesting is bounded by serde_json.
+        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        for text in [
+            r#"{"temperature": NaN}"#,
+            r#"{"temperature": Infinity}"#,
+            r#"{"temperature": 1e999}"#,
+            "",
+            "{",
+            deep.as_str(),
+        ] {
+            let e = gen(text).unwrap_err();
+            assert!(matches!(e, ModelError::Json { .. }), "{e}");
+            assert!(e.to_string().contains("/m/generation_config.json"), "{e}");
+        }
+        // A long value is cut in the message.
+        let long = format!(r#"{{"temperature": "{}"}}"#, "x".repeat(10_000));
+        let e = gen(&long).unwrap_err().to_string();
+        assert!(e.len() < 300, "{e}");
+        // A file over the cap is refused before parsing (small_file.rs tests
+        // the cap itself).
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("generation_config.json");
+        let f = std::fs::File::create(&p).unwrap();
+        f.set_len(crate::SMALL_FILE_CAP + 1).unwrap();
+        let e = GenerationConfig::from_file(&p).unwrap_err().to_string();
+        assert!(
+            e.contains("generation_config.json") && e.contains("limit"),
+            "{e}"
+        );
     }
 }

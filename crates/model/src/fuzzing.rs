@@ -51,7 +51,7 @@ pub fn tiny_config(tied: bool) -> Config {
 pub fn config(data: &[u8]) {
     let path = Path::new("fuzz/config.json");
     let text = String::from_utf8_lossy(data);
-    let _ = serde_json::from_str::<GenerationConfig>(&text);
+    let _ = GenerationConfig::from_json_str(&text, Path::new("fuzz/generation_config.json"));
     let Ok(c) = Config::from_json_str(&text, path) else {
         return;
     };

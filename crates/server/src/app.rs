@@ -208,6 +208,9 @@ struct Meta {
     id: String,
     created: u64,
     model: String,
+    /// The sampling seed used (drawn at random when the request gave none),
+    /// so any reply can be reproduced.
+    seed: u64,
     prompt_tokens: usize,
     include_usage: bool,
 }
@@ -226,7 +229,7 @@ fn finish_reason(stop: StopReason) -> &'static str {
     match stop {
         StopReason::Length => "length",
         // A cancelled job has no client left to read this.
-        StopReason::Eos | StopReason::Caller => "stop",
+        StopReason::Eos | StopReason::StopString | StopReason::Caller => "stop",
     }
 }
 
@@ -278,15 +281,16 @@ async fn chat_response(
         st.worker.capacity(),
         "messages",
     )?;
+    let (options, stops) = generate_options(&job.params, max_new, &st.model)?;
     let meta = Meta {
         id: id.to_string(),
         created: unix_now(),
         model: st.model.name.clone(),
+        seed: options.sampling.seed,
         prompt_tokens: prompt_ids.len(),
         include_usage: job.delivery.include_usage,
     };
-    let options = generate_options(&job.params, max_new, &st.model.stop_ids);
-    let (work, ticket) = Ticket::new(id.to_string(), prompt_ids, options);
+    let (work, ticket) = Ticket::new(id.to_string(), prompt_ids, options, stops);
     st.worker.submit(work)?;
     let offered = job.tools.as_deref().map(tools::names);
     if job.delivery.stream {
@@ -310,6 +314,7 @@ async fn chat_response(
         "object": "chat.completion",
         "created": meta.created,
         "model": meta.model,
+        "seed": meta.seed,
         "choices": [{
             "index": 0,
             "message": message,
@@ -402,15 +407,16 @@ async fn completion_response(
         st.worker.capacity(),
         "prompt",
     )?;
+    let (options, stops) = generate_options(&params, max_new, &st.model)?;
     let meta = Meta {
         id: id.to_string(),
         created: unix_now(),
         model: st.model.name.clone(),
+        seed: options.sampling.seed,
         prompt_tokens: prompt_ids.len(),
         include_usage: delivery.include_usage,
     };
-    let options = generate_options(&params, max_new, &st.model.stop_ids);
-    let (work, ticket) = Ticket::new(id.to_string(), prompt_ids, options);
+    let (work, ticket) = Ticket::new(id.to_string(), prompt_ids, options, stops);
     st.worker.submit(work)?;
     if delivery.stream {
         return Ok(sse_response(Chunks::new(
@@ -424,6 +430,7 @@ async fn completion_response(
         "object": "text_completion",
         "created": meta.created,
         "model": meta.model,
+        "seed": meta.seed,
         "choices": [{
             "index": 0,
             "text": outcome.text,
@@ -525,6 +532,7 @@ impl ChatStream {
             "object": "chat.completion.chunk",
             "created": self.meta.created,
             "model": self.meta.model,
+            "seed": self.meta.seed,
             "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
         });
         if self.meta.include_usage {
@@ -586,6 +594,7 @@ impl CompletionStream {
             "object": "text_completion",
             "created": self.meta.created,
             "model": self.meta.model,
+            "seed": self.meta.seed,
             "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
         });
         if self.meta.include_usage {

@@ -20,6 +20,7 @@
 //!     template: Some(Arc::new(qmk_model::chat::ChatTemplate::from_dir(dir)?)),
 //!     stop_ids: vec![151645, 151643],
 //!     vocab_size: weights.config.vocab_size,
+//!     sampling: qmk_engine::SamplingDefaults::GREEDY,
 //! };
 //! let vocab = model.vocab_size;
 //! let server = Server::start(model, ServerConfig::default(), move || {
@@ -68,6 +69,9 @@ pub struct ModelInfo {
     pub stop_ids: Vec<u32>,
     /// The model's vocabulary size (prompt token ids must be below it).
     pub vocab_size: usize,
+    /// Sampling values a request leaves out (the model's
+    /// `generation_config.json`; greedy without one).
+    pub sampling: qmk_engine::SamplingDefaults,
 }
 
 /// How the server behaves.

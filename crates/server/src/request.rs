@@ -3,7 +3,7 @@
 //! are ignored, as OpenAI's clients expect), validation, and the one mapping
 //! from request parameters to the engine's [`GenerateOptions`].
 
-use qmk_engine::{GenerateOptions, Sampling};
+use qmk_engine::{EngineError, GenerateOptions, SamplingRequest, StopMatcher};
 use serde::de::{self, DeserializeOwned, Deserializer, Visitor};
 use serde::Deserialize;
 use serde_json::Value;
@@ -311,33 +311,43 @@ impl CommonFields {
 /// The engine options for a request: the ONE place where request
 /// parameters become engine settings, for both endpoints.
 ///
-/// Applied today: `max_new_tokens` (already fitted to the context),
-/// temperature, top-p, top-k and the seed; the model's end-of-turn ids stop
-/// generation. What the request leaves out takes the engine's default
-/// ([`Sampling::default`], greedy with seed 0).
-///
-/// Parsed and validated but not yet applied, because the engine has no
-/// setting for them: `stop` strings, `presence_penalty`,
-/// `frequency_penalty`, `repetition_penalty`, `min_p`; the model's
-/// `generation_config.json` values as defaults and a random seed when none
-/// is given belong here too once the engine offers them.
+/// Every sampling value the request leaves out takes the model's default
+/// from its `generation_config.json` ([`crate::ModelInfo::sampling`]); a
+/// temperature of 0 is greedy. Without a `seed` one is drawn at random; the
+/// resolved [`qmk_engine::Sampling::seed`] goes back to the client. The
+/// model's end-of-turn ids stop generation, and so do the request's stop
+/// strings (the returned matcher; the text ends before the first one found).
+/// A value the engine refuses is a 400 naming the parameter.
 pub fn generate_options(
     params: &GenParams,
     max_new_tokens: usize,
-    stop_ids: &[u32],
-) -> GenerateOptions {
-    let base = Sampling::default();
-    GenerateOptions {
+    model: &crate::ModelInfo,
+) -> Result<(GenerateOptions, StopMatcher), ServerError> {
+    let request = SamplingRequest {
+        temperature: params.temperature,
+        top_k: params.top_k,
+        top_p: params.top_p,
+        min_p: params.min_p,
+        repetition_penalty: params.repetition_penalty,
+        presence_penalty: params.presence_penalty,
+        frequency_penalty: params.frequency_penalty,
+        seed: params.seed,
+    };
+    let refused = |e: EngineError| match e {
+        EngineError::InvalidSampling { field, reason } => {
+            ServerError::invalid(format!("`{field}`: {reason}"), field)
+        }
+        other => ServerError::Internal(other.to_string()),
+    };
+    let sampling = request.resolve(&model.sampling).map_err(refused)?;
+    let stops = StopMatcher::new(params.stop.iter().cloned()).map_err(refused)?;
+    let options = GenerateOptions {
         max_new_tokens,
-        sampling: Sampling {
-            temperature: params.temperature.unwrap_or(base.temperature),
-            top_k: params.top_k.unwrap_or(base.top_k),
-            top_p: params.top_p.unwrap_or(base.top_p),
-            seed: params.seed.unwrap_or(base.seed),
-        },
-        stop_ids: stop_ids.to_vec(),
+        sampling,
+        stop_ids: model.stop_ids.clone(),
         ignore_eos: false,
-    }
+    };
+    Ok((options, stops))
 }
 
 /// Checks the prompt against the KV-cache capacity and settles how many
@@ -784,6 +794,7 @@ pub fn check_model(requested: Option<&str>, served: &str) -> Result<(), ServerEr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use qmk_engine::SamplingDefaults;
 
     fn chat(body: &str) -> Result<ChatJob, ServerError> {
         parse_body::<ChatRequest>(body.as_bytes())?.validate()
@@ -998,31 +1009,84 @@ mod tests {
         assert!(fit_to_context(1, Some(usize::MAX), 8, "prompt").is_err());
     }
 
+    fn model_info(sampling: SamplingDefaults) -> crate::ModelInfo {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../model/tests/data/qwen-tokenizer");
+        crate::ModelInfo {
+            name: "q".into(),
+            tokenizer: qmk_model::tokenizer::Tokenizer::from_dir(&dir).unwrap(),
+            template: None,
+            stop_ids: vec![7, 8],
+            vocab_size: 151_936,
+            sampling,
+        }
+    }
+
     #[test]
-    fn options_take_the_request_values_and_engine_defaults() {
+    fn options_take_the_request_values_then_the_model_defaults() {
+        // Qwen2.5 instruct's generation_config.json values.
+        let qwen = SamplingDefaults {
+            temperature: 0.7,
+            top_k: 20,
+            top_p: 0.8,
+            repetition_penalty: 1.05,
+            ..SamplingDefaults::GREEDY
+        };
+        let m = model_info(qwen);
         let p = GenParams {
-            temperature: Some(0.7),
+            temperature: Some(0.5),
             top_p: Some(0.5),
-            top_k: Some(40),
+            min_p: Some(0.1),
+            presence_penalty: Some(0.25),
+            frequency_penalty: Some(-0.5),
             seed: Some(9),
+            stop: vec!["END".into()],
             ..GenParams::default()
         };
-        let o = generate_options(&p, 12, &[7, 8]);
+        let (o, stops) = generate_options(&p, 12, &m).unwrap();
         assert_eq!(o.max_new_tokens, 12);
+        let s = o.sampling;
         assert_eq!(
-            o.sampling,
-            Sampling {
-                temperature: 0.7,
-                top_k: 40,
-                top_p: 0.5,
-                seed: 9
-            }
+            (s.temperature, s.top_p, s.min_p, s.seed),
+            (0.5, 0.5, 0.1, 9)
         );
+        assert_eq!((s.presence_penalty, s.frequency_penalty), (0.25, -0.5));
+        // Unset: the model's.
+        assert_eq!((s.top_k, s.repetition_penalty), (20, 1.05));
+        assert_eq!(stops.stops(), ["END"]);
         assert_eq!(o.stop_ids, [7, 8]);
         assert!(!o.ignore_eos);
-        let o = generate_options(&GenParams::default(), 3, &[]);
-        assert_eq!(o.sampling, Sampling::default());
-        o.sampling.validate().unwrap();
+        // Nothing given: the model's sampling, a drawn seed; temperature 0
+        // is plain greedy (none of the model's penalties).
+        let (a, _) = generate_options(&GenParams::default(), 3, &m).unwrap();
+        let (b, _) = generate_options(&GenParams::default(), 3, &m).unwrap();
+        assert_eq!(a.sampling.temperature, 0.7);
+        assert_ne!(a.sampling.seed, b.sampling.seed, "a fresh seed per request");
+        let greedy = GenParams {
+            temperature: Some(0.0),
+            ..GenParams::default()
+        };
+        let (g, _) = generate_options(&greedy, 3, &m).unwrap();
+        assert!(g.sampling.is_greedy());
+        assert_eq!(g.sampling.repetition_penalty, 1.0);
+    }
+
+    #[test]
+    fn options_the_engine_refuses_name_the_parameter() {
+        let m = model_info(SamplingDefaults::GREEDY);
+        let too_many = GenParams {
+            stop: (0..17).map(|i| format!("s{i}")).collect(),
+            ..GenParams::default()
+        };
+        let e = generate_options(&too_many, 3, &m).unwrap_err();
+        assert_eq!(e.status().as_u16(), 400);
+        assert!(e.to_string().contains("stop"), "{e}");
+        let long = GenParams {
+            stop: vec!["x".repeat(300)],
+            ..GenParams::default()
+        };
+        let e = generate_options(&long, 3, &m).unwrap_err();
+        assert_eq!(e.status().as_u16(), 400);
     }
 
     #[test]

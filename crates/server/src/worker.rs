@@ -15,7 +15,9 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use qmk_engine::{Backend, Engine, EngineError, GenerateOptions, StopReason};
+use qmk_engine::{
+    Backend, Engine, EngineError, GenerateOptions, StopMatcher, StopReason, TextStream,
+};
 use qmk_model::tokenizer::Tokenizer;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
@@ -57,6 +59,8 @@ pub struct Job {
     pub prompt_ids: Vec<u32>,
     /// What to generate.
     pub options: GenerateOptions,
+    /// The request's stop strings (the reply ends before the first).
+    pub stops: StopMatcher,
     /// The client's cancellation flag.
     pub cancel: Cancel,
     /// Where the job's events go.
@@ -83,7 +87,8 @@ pub struct Outcome {
     pub prompt_tokens: usize,
     /// Generated token ids (a stop id included).
     pub output_ids: Vec<u32>,
-    /// The whole reply decoded at once (special tokens left out).
+    /// The reply: every text piece sent, concatenated (special tokens and
+    /// a stop string left out).
     pub text: String,
     /// Why it ended.
     pub stop: StopReason,
@@ -199,13 +204,19 @@ pub struct Ticket {
 
 impl Ticket {
     /// A new job for `prompt_ids` and its ticket.
-    pub fn new(id: String, prompt_ids: Vec<u32>, options: GenerateOptions) -> (Job, Ticket) {
+    pub fn new(
+        id: String,
+        prompt_ids: Vec<u32>,
+        options: GenerateOptions,
+        stops: StopMatcher,
+    ) -> (Job, Ticket) {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let cancel = Cancel::default();
         let job = Job {
             id,
             prompt_ids,
             options,
+            stops,
             cancel: cancel.clone(),
             events: tx,
             queued_at: Instant::now(),
@@ -277,23 +288,15 @@ fn run<B: Backend>(
     job: Job,
 ) -> Result<Outcome, ServerError> {
     let queued = job.queued_at.elapsed();
-    let mut decoder = tokenizer.stream_decoder(true);
-    let mut decode_err = None;
-    let generation = engine.generate(&job.prompt_ids, &job.options, |tok| {
+    let mut text = TextStream::new(tokenizer, job.stops);
+    // Called once per generated id, so a client that has gone stops the
+    // run within one step even while no text is final.
+    let generation = engine.generate_text(&job.prompt_ids, &job.options, &mut text, |delta| {
         if job.cancel.is_cancelled() {
             return ControlFlow::Break(());
         }
-        match decoder.push(tok) {
-            Ok(Some(text)) => {
-                if job.events.send(Event::Text(text)).is_err() {
-                    return ControlFlow::Break(());
-                }
-            }
-            Ok(None) => {}
-            Err(e) => {
-                decode_err = Some(e);
-                return ControlFlow::Break(());
-            }
+        if !delta.is_empty() && job.events.send(Event::Text(delta.to_string())).is_err() {
+            return ControlFlow::Break(());
         }
         ControlFlow::Continue(())
     });
@@ -301,16 +304,7 @@ fn run<B: Backend>(
         EngineError::Backend { .. } => ServerError::Unavailable(flatten(&e)),
         other => ServerError::Internal(other.to_string()),
     })?;
-    let internal = |e: qmk_model::ModelError| ServerError::Internal(format!("tokenizer: {e}"));
-    if let Some(e) = decode_err {
-        return Err(internal(e));
-    }
-    if let Some(rest) = decoder.flush().map_err(internal)? {
-        let _ = job.events.send(Event::Text(rest));
-    }
-    let text = tokenizer
-        .decode(&generation.output_ids, true)
-        .map_err(internal)?;
+    let text = text.text().to_string();
     Ok(Outcome {
         prompt_tokens: generation.prompt_ids.len(),
         tok_per_s: generation.decode_tok_per_s(),
@@ -342,6 +336,7 @@ fn outcome_line(id: &str, o: &Outcome) -> String {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let end = match o.stop {
         StopReason::Eos => "stop",
+        StopReason::StopString => "stop string",
         StopReason::Length => "length",
         StopReason::Caller => "cancelled",
     };

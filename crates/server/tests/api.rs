@@ -210,6 +210,7 @@ fn harness(setup: Setup) -> Harness {
         template: Some(Arc::new(ChatTemplate::from_dir(tokenizer_dir()).unwrap())),
         stop_ids: vec![IM_END, 151_643],
         vocab_size: VOCAB,
+        sampling: qmk_engine::SamplingDefaults::GREEDY,
     };
     let mut config = setup.config;
     config.quiet = true;

@@ -47,9 +47,14 @@ pub fn write_tiny_model(dir: &Path, tokenizer: &Path, shard_bytes: Option<u64>) 
     std::fs::create_dir_all(dir).unwrap();
     let w = qmk_model::synthetic_weights(&tiny_config(), 7);
     qmk_model::checkpoint::save_checkpoint(dir, &w, DType::BF16, shard_bytes).unwrap();
+    // Qwen2.5-0.5B-Instruct's generation_config.json: it samples by
+    // default, so a test that relies on greedy decoding must ask for it
+    // (`--temperature 0`), as users must.
     std::fs::write(
         dir.join("generation_config.json"),
-        r#"{"bos_token_id": 151643, "eos_token_id": [151645, 151643], "do_sample": false}"#,
+        r#"{"bos_token_id": 151643, "pad_token_id": 151643, "do_sample": true,
+            "eos_token_id": [151645, 151643], "repetition_penalty": 1.1,
+            "temperature": 0.7, "top_p": 0.8, "top_k": 20}"#,
     )
     .unwrap();
     for f in [
