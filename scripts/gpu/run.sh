@@ -46,6 +46,11 @@
 #               rotary table), then the real_weights test program: plain
 #               goldens, YaRN goldens, YaRN at 40,000 positions vs the CPU
 #               reference fed the GPU's cache
+#   serve       the real 0.5B weights (as `real`): the openai client suite
+#               (crates/cli/tests/serve_openai.py) against `qwen-mk serve` on
+#               both drivers, with the wheels carried in bin.tar.xz; then
+#               scripts/gpu/serve_speed.py: the server's logged time to first
+#               token and tok/s against `generate` on the same request
 #   sanitizer   compute-sanitizer memcheck, racecheck, synccheck, initcheck on
 #               a short prefill + decode, both drivers; the OOB hook must be
 #               caught
@@ -85,7 +90,13 @@ for l in sys.stdin:
     cp "$exe" "$stage/test-$t"
   done
   if [[ -n ${BASE:-} ]]; then cp "$BASE/qwen-mk" "$stage/base-qwen-mk"; fi
-  strip "$stage"/*
+  find "$stage" -maxdepth 1 -type f -exec strip {} +
+  # The `openai` client and its dependencies for the GPU machine's Python
+  # (3.12, no network there): the version CI pins.
+  v=$(sed -n 's/^VERSION=//p' .ci/openai.sh)
+  python3 -m pip download -q --disable-pip-version-check "openai==$v" --only-binary=:all: \
+    --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux_2_28_x86_64 -d "$stage/wheels"
   rm -rf "$CARRY"; mkdir -p "$CARRY"
   tar -C "$stage" -cf - . | xz -6 -T2 > "$CARRY/bin.tar.xz"
   rm -rf "$stage"
@@ -241,6 +252,28 @@ for step in $STEPS; do
       note "hf golden yarn rc=$? $(( SECONDS - t ))s"; tail -12 "$LOG/hf-golden-yarn.log"
       QMK_GOLDENS_YARN=$OUT/golden-yarn.jsonl run_tests test-real_weights 300 goldens_yarn
       grep -h "PASS\|diverges" "$LOG"/test-real_weights*.log | while read -r x; do note "    ${x:0:300}"; done ;;
+    serve)
+      # The openai client suite against `qwen-mk serve` on the real 0.5B
+      # weights, both drivers; then the server's own time to first token
+      # and tok/s against `generate`'s on the same request.
+      R=${QMK_REAL_QWEN:-/tmp/real-qwen/model}
+      [[ -f $R/config.json ]] || { note "FAIL serve: no model at $R"; continue; }
+      V=/tmp/qmk-openai-venv
+      python3 -m venv --system-site-packages "$V" > "$LOG/venv.log" 2>&1 \
+        && "$V/bin/pip" install -q --no-index --find-links "$BIN/wheels" openai >> "$LOG/venv.log" 2>&1 \
+        || { note "FAIL serve: installing openai from the carried wheels"; tail -5 "$LOG/venv.log"; continue; }
+      for d in cudarc cust; do
+        t=$SECONDS
+        timeout -k 5 300 "$V/bin/python" "$ROOT/crates/cli/tests/serve_openai.py" --qwen-mk "$BIN/qwen-mk" \
+          --model "$R" --backend $d > "$LOG/serve-openai-$d.log" 2>&1
+        rc=$?; v=FAIL; [[ $rc == 0 ]] && v=PASS
+        note "$v serve-openai $d: rc=$rc, $(grep -o 'serve-openai: .*' "$LOG/serve-openai-$d.log"), $(( SECONDS - t ))s"
+        grep "^FAIL" "$LOG/serve-openai-$d.log" | head -5 | while read -r x; do note "    ${x:0:200}"; done
+        timeout -k 5 200 "$V/bin/python" "$ROOT/scripts/gpu/serve_speed.py" --qwen-mk "$BIN/qwen-mk" \
+          --model "$R" --backend $d > "$LOG/serve-speed-$d.log" 2>&1
+        rc=$?; v=FAIL; [[ $rc == 0 ]] && v=PASS
+        note "$v serve-speed $d: rc=$rc"; while read -r x; do note "    $x"; done < "$LOG/serve-speed-$d.log"
+      done ;;
     hf)
       t=$SECONDS
       timeout -k 5 300 python3 "$ROOT/scripts/gpu/hf_side_by_side.py" --budget 200 \
