@@ -28,8 +28,8 @@ use qmk_layout::{plan_tensor_parallel, ShardRule, TpPlan, KERNEL_OFFSET_MODEL};
 use crate::error::ModelError;
 use crate::inventory::{stacked_specs, WeightKind};
 use crate::reference::{
-    argmax, attention, embed, kv_append, matmul, mlp, qkv_proj, rms_norm, rotary, Dims, KvCache,
-    LayerWeights, Rope,
+    argmax, attention, embed, kv_append, layer_weights, matmul, mlp, qkv_proj, rms_norm, rotary,
+    Dims, KvCache, LayerWeights, Rope,
 };
 use crate::{Config, Weights};
 
@@ -137,32 +137,32 @@ fn take(data: &[bf16], shape: &[usize], axis: usize, range: Range<usize>) -> Vec
     out
 }
 
-/// One rank's weights: its shards of the layer tensors and of the LM head,
-/// and the dimensions it computes with (its heads, KV heads, intermediate
-/// slice and vocabulary rows).
+/// One rank's weights: a smaller model of its own (its heads, KV heads,
+/// intermediate slice and vocabulary rows), so the reference's ops and
+/// [`layer_weights`] run on it unchanged. The norms are copied (they are
+/// replicated); the embedding stays with the whole model (only the input
+/// token's row is read, before the ranks split).
 struct RankWeights {
     dims: Dims,
     vocab: Range<usize>,
-    q_proj: Vec<bf16>,    // [L, Q/N, H]
-    q_bias: Vec<bf16>,    // [L, Q/N]
-    k_proj: Vec<bf16>,    // [L, KV/N, H]
-    k_bias: Vec<bf16>,    // [L, KV/N]
-    v_proj: Vec<bf16>,    // [L, KV/N, H]
-    v_bias: Vec<bf16>,    // [L, KV/N]
-    o_proj: Vec<bf16>,    // [L, H, Q/N]
-    gate_proj: Vec<bf16>, // [L, I/N, H]
-    up_proj: Vec<bf16>,   // [L, I/N, H]
-    down_proj: Vec<bf16>, // [L, H, I/N]
-    lm_head: Vec<bf16>,   // [V/N, H]
+    weights: Weights, // embed_tokens empty; lm_head [V/N, H]
 }
 
 impl RankWeights {
     fn new(w: &Weights, d: &Dims, ranks: usize, rank: usize) -> RankWeights {
-        let (l, h, i, hd) = (d.layers, d.hidden, d.intermediate, d.head_dim);
+        let (l, h, i) = (d.layers, d.hidden, d.intermediate);
         let (q, kv) = (d.q_dim(), d.kv_dim());
         let (qn, kvn, inn) = (q / ranks, kv / ranks, i / ranks);
         let r = |n: usize| rank * n..(rank + 1) * n;
         let vocab = vocab_range(&w.config, ranks, rank);
+        let mut config = w.config.clone();
+        config.num_attention_heads = d.heads / ranks;
+        config.num_key_value_heads = Some(d.kv_heads / ranks);
+        config.head_dim = Some(d.head_dim);
+        config.intermediate_size = inn;
+        config.vocab_size = vocab.len();
+        // The rank holds its own LM-head rows, even of a tied table.
+        config.tie_word_embeddings = false;
         let dims = Dims {
             heads: d.heads / ranks,
             kv_heads: d.kv_heads / ranks,
@@ -170,11 +170,11 @@ impl RankWeights {
             vocab: vocab.len(),
             ..*d
         };
-        debug_assert_eq!(dims.q_dim(), qn);
-        debug_assert_eq!(dims.kv_dim(), kvn);
-        debug_assert_eq!(kvn % hd, 0);
-        RankWeights {
-            dims,
+        let weights = Weights {
+            config,
+            embed_tokens: Vec::new(),
+            lm_head: Some(take(w.lm_head(), &[d.vocab, h], 0, vocab.clone())),
+            input_layernorm: w.input_layernorm.clone(),
             q_proj: take(&w.q_proj, &[l, q, h], 1, r(qn)),
             q_bias: take(&w.q_bias, &[l, q], 1, r(qn)),
             k_proj: take(&w.k_proj, &[l, kv, h], 1, r(kvn)),
@@ -182,33 +182,22 @@ impl RankWeights {
             v_proj: take(&w.v_proj, &[l, kv, h], 1, r(kvn)),
             v_bias: take(&w.v_bias, &[l, kv], 1, r(kvn)),
             o_proj: take(&w.o_proj, &[l, h, q], 2, r(qn)),
+            post_attention_layernorm: w.post_attention_layernorm.clone(),
             gate_proj: take(&w.gate_proj, &[l, i, h], 1, r(inn)),
             up_proj: take(&w.up_proj, &[l, i, h], 1, r(inn)),
             down_proj: take(&w.down_proj, &[l, h, i], 2, r(inn)),
-            lm_head: take(w.lm_head(), &[d.vocab, h], 0, vocab.clone()),
+            norm: w.norm.clone(),
+        };
+        RankWeights {
+            dims,
             vocab,
+            weights,
         }
     }
 
-    /// Layer `l`'s slices; the norms are the whole model's (replicated).
-    fn layer<'a>(&'a self, w: &'a Weights, l: usize) -> LayerWeights<'a> {
-        let d = &self.dims;
-        let (h, q, kv, i) = (d.hidden, d.q_dim(), d.kv_dim(), d.intermediate);
-        let at = |v: &'a [bf16], n: usize| &v[l * n..(l + 1) * n];
-        LayerWeights {
-            input_layernorm: at(&w.input_layernorm, h),
-            q_proj: at(&self.q_proj, q * h),
-            q_bias: at(&self.q_bias, q),
-            k_proj: at(&self.k_proj, kv * h),
-            k_bias: at(&self.k_bias, kv),
-            v_proj: at(&self.v_proj, kv * h),
-            v_bias: at(&self.v_bias, kv),
-            o_proj: at(&self.o_proj, h * q),
-            post_attention_layernorm: at(&w.post_attention_layernorm, h),
-            gate_proj: at(&self.gate_proj, i * h),
-            up_proj: at(&self.up_proj, i * h),
-            down_proj: at(&self.down_proj, h * i),
-        }
+    /// Layer `l`'s slices of this rank's shards.
+    fn layer(&self, l: usize) -> LayerWeights<'_> {
+        layer_weights(&self.weights, &self.dims, l)
     }
 }
 
@@ -291,7 +280,7 @@ impl ShardedReference {
             let mut sum = vec![0f32; h]; // [H] all-reduce of o_proj partials
             for (rank, cache) in self.ranks.iter().zip(self.caches.iter_mut()) {
                 let rd = &rank.dims;
-                let lw = rank.layer(w, l);
+                let lw = rank.layer(l);
                 let mut q = vec![0f32; rd.q_dim()]; // [Q/N]
                 let mut k = vec![0f32; rd.kv_dim()]; // [KV/N]
                 let mut v = vec![0f32; rd.kv_dim()]; // [KV/N]
@@ -315,7 +304,7 @@ impl ShardedReference {
             let mut sum = vec![0f32; h]; // [H] all-reduce of down partials
             for rank in &self.ranks {
                 let mut part = vec![0f32; h]; // [H]
-                mlp(&xn, &rank.layer(w, l), &rank.dims, &mut part);
+                mlp(&xn, &rank.layer(l), &rank.dims, &mut part);
                 sum.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
             }
             x.iter_mut().zip(&sum).for_each(|(a, b)| *a += b);
@@ -323,7 +312,12 @@ impl ShardedReference {
         rms_norm(&x, &w.norm, d.rms_norm_eps, &mut xn);
         let mut logits = vec![0f32; d.vocab]; // [V], each rank's rows in place
         for rank in &self.ranks {
-            matmul(&xn, &rank.lm_head, h, &mut logits[rank.vocab.clone()]);
+            matmul(
+                &xn,
+                rank.weights.lm_head(),
+                h,
+                &mut logits[rank.vocab.clone()],
+            );
         }
         Ok(logits)
     }
