@@ -93,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
     const bool split_attn = (p.flags & kFlagAttnNoSplit) == 0u &&
                             ((p.flags & kFlagAttnForceSplit) != 0u || pos + 1u >= kAttnSplitMinContext);
     if (split_attn && blockIdx.x == 0) attention_zero_tickets(p);
-    GridBarrier bar;
+    GridBarrierT<true> bar;
     bar.init(p);
     for (u32 layer = 0; layer < QMK_LAYERS; ++layer) {
         if (!(skip & 1u)) qkv_proj(p, layer, token, pos, xs, red);
@@ -121,6 +121,7 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
             st->barriers = bar.count;
             st->done = st->done + 1u;
             bar.finish(p);
+            if (p.flags & kFlagTrace) trace_slot(p, 0)[1] = globaltimer_ns();
             __threadfence_system();
         }
     }

@@ -28,6 +28,12 @@ pub const FLAG_TOKEN_FROM_ARGMAX: u32 = 1;
 /// error).
 pub const FLAG_DEBUG_HANG: u32 = 2;
 
+/// [`KernelParams::flags`], profiling: thread 0 of every CTA writes the
+/// step's timeline to [`KernelParams::trace`] (its start, each grid
+/// barrier's arrival and release, and on CTA 0 the end, in `%globaltimer`
+/// nanoseconds). The results are unchanged.
+pub const FLAG_TRACE: u32 = 4;
+
 /// [`KernelParams::flags`], fault tests: thread 0 of CTA 0 reads the word
 /// just past the logits buffer (caught by compute-sanitizer memcheck with
 /// `--padding`), then a weight chunk base + 2^40 bytes (no mapping there:
@@ -149,6 +155,10 @@ pub struct KernelParams {
     pub reserved: u32,
     /// Split-attention scratch (sized by `qmk_gpu::plan::attn_part_bytes`).
     pub attn_part: u64,
+    /// Step timeline written under [`FLAG_TRACE`], u64 `[grid, B + 1, 2]`
+    /// with B grid barriers per step: slot 0 holds (start, end; end on CTA
+    /// 0 only), slot k (arrival, release) of barrier k (device address).
+    pub trace: u64,
 }
 
 /// Most sequence blocks per kv head of the split attention (`qmk::kAttnMaxSplits`).
@@ -365,7 +375,7 @@ pub fn params_check_header() -> String {
         "static_assert(QMK_MAX_CHUNKS == {MAX_CHUNKS}, \"QMK_MAX_CHUNKS differs from Rust MAX_CHUNKS\");\n"
     ));
     out.push_str(&format!(
-        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kFlagPfMmaSync == {FLAG_PF_MMA_SYNC}u && qmk::kFlagPfNoStreamK == {FLAG_PF_NO_STREAM_K}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n\
+        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagTrace == {FLAG_TRACE}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kFlagPfMmaSync == {FLAG_PF_MMA_SYNC}u && qmk::kFlagPfNoStreamK == {FLAG_PF_NO_STREAM_K}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n\
          static_assert(qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u, \"split attention constants differ\");\n"
     ));
     out.push_str(&format!(
@@ -415,6 +425,7 @@ pub fn params_check_header() -> String {
             rms_norm_eps,
             reserved,
             attn_part,
+            trace,
         ]
     );
     // `base` is at offset 0; its size is asserted through `tokens`' offset.
@@ -529,7 +540,7 @@ mod tests {
     fn sizes_are_what_the_cuda_twin_expects() {
         assert_eq!(
             size_of::<KernelParams>(),
-            15 * MAX_CHUNKS * 8 + 16 * 8 + 6 * 4
+            15 * MAX_CHUNKS * 8 + 17 * 8 + 6 * 4
         );
         assert_eq!(size_of::<SyncState>(), 32);
         assert_eq!(size_of::<HostStatus>(), 32);
@@ -548,6 +559,7 @@ mod tests {
         let flags = [
             FLAG_TOKEN_FROM_ARGMAX,
             FLAG_DEBUG_HANG,
+            FLAG_TRACE,
             FLAG_DEBUG_OOB,
             FLAG_ATTN_NO_SPLIT,
             FLAG_ATTN_FORCE_SPLIT,

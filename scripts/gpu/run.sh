@@ -35,8 +35,11 @@
 #               here by the scale program's ignored `precompile_cubins`)
 #               skips NVRTC
 #   bisect72    the 32-bit trap at 72B shapes per tensor group (`bisect_72b`)
-#   ab          baseline vs this build, interleaved in rounds, decode and
-#               prefill (needs BASE at build time)
+#   ab          baseline vs this build, interleaved in rounds: decode 0.5B,
+#               7B, 14B and prefill 7B at 2,048 (needs BASE at build time)
+#   profile     qwen-mk bench --profile at 0.5B, 7B and 14B: the phase-skip
+#               variants and the step timeline per op (critical path, mean
+#               CTA busy time, barriers)
 #   hf          Hugging Face transformers eager on the same shapes
 #               (scripts/gpu/hf_side_by_side.py)
 #   real        the real 0.5B weights (QMK_REAL_QWEN, default /tmp/real-qwen/model,
@@ -232,9 +235,26 @@ for step in $STEPS; do
         for v in base-qwen-mk qwen-mk; do
           bench "ab$r-$v-0.5b" $v --preset 0.5b
           bench "ab$r-$v-7b" $v --preset 7b
+          bench "ab$r-$v-14b" $v --preset 14b
           bench "ab$r-$v-prefill-7b-2048" $v --preset 7b --prefill 2048 --prefill-chunk 2048
         done
       done ;;
+    profile)
+      for p in 0.5b 7b 14b; do bench "profile-$p" qwen-mk --preset $p --profile; done
+      python3 - "$LOG/bench.jsonl" <<'EOF' | tee "$OUT/timeline.txt"
+import json, sys
+for line in open(sys.argv[1]):
+    o = json.loads(line)
+    t = o.get("timeline")
+    if not o["run"].startswith("profile-") or not t: continue
+    print(f'{o["run"]}: {o["us_per_step"]:.1f} us/step timed, {t["total_us"]:.1f} traced, barriers {t["barrier_us"]:.1f}, '
+          f'skew {t["launch_skew_us"]:.1f}, tail {t["tail_us"]:.1f}, tick <= {t["tick_ns"]} ns')
+    for k, v in t["ops"].items():
+        print(f'    {k:<12} critical {v["critical_us"]:8.1f}  busy {v["busy_mean_us"]:8.1f}  barriers {v["barrier_us"]:6.1f}')
+    for k, v in o.get("profile_us", {}).items():
+        print(f'    profile {k:<28} {v:8.1f} us')
+EOF
+      ;;
     real)
       R=${QMK_REAL_QWEN:-/tmp/real-qwen/model}
       [[ -f $R/config.json ]] || { note "FAIL real: no model at $R"; continue; }

@@ -14,8 +14,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use qmk_gpu::stats::median;
 use qmk_gpu::{
-    BenchOptions, BenchReport, Driver, GpuBackend, LaunchInfo, Options, Progress, UploadOptions,
-    WeightSource,
+    BenchOptions, BenchReport, Driver, GpuBackend, LaunchInfo, Options, Progress, Timeline,
+    UploadOptions, WeightSource,
 };
 use qmk_model::{CheckpointSource, Config, SyntheticSource};
 
@@ -89,7 +89,10 @@ pub struct BenchArgs {
     #[arg(long)]
     json: bool,
     /// Also time the kernel with each phase skipped and with barriers only
-    /// (where the time goes), and the attention A/B flag variants.
+    /// (where the time goes), and the attention A/B flag variants; then
+    /// trace the step's timeline (each CTA's start, barrier arrivals and
+    /// releases) and split it per op: critical path, mean CTA busy time,
+    /// barriers.
     #[arg(long)]
     profile: bool,
     /// Timed steps of each profile variant (median reported).
@@ -397,14 +400,18 @@ fn decode<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>) -> Result<()> {
             .bench(&bench_options(a, context, a.stream_gib << 30))
             .with_context(|| format!("bench {} --context {context}", a.label()))?;
         let l = backend.launch_info();
-        let profile = if a.profile {
+        let (profile, timeline) = if a.profile {
             let mut o = bench_options(a, context, 0);
             o.steps = a.profile_steps.clamp(1, a.steps.max(1));
-            backend.bench_profile(&o)?
+            (
+                backend.bench_profile(&o)?,
+                Some(backend.bench_timeline(&o)?),
+            )
         } else {
-            Vec::new()
+            (Vec::new(), None)
         };
-        print(&report_text(a, &r, &l, &profile, &Load::of(a, backend)))?;
+        let load = Load::of(a, backend);
+        print(&report_text(a, &r, &l, &profile, timeline.as_ref(), &load))?;
     }
     Ok(())
 }
@@ -415,6 +422,7 @@ fn report_json(
     r: &BenchReport,
     l: &LaunchInfo,
     profile: &[(String, f64)],
+    timeline: Option<&Timeline>,
     load: &Load,
 ) -> serde_json::Value {
     let mut v = serde_json::json!({
@@ -444,6 +452,9 @@ fn report_json(
         "profile_steps": if profile.is_empty() { 0 } else { a.profile_steps.clamp(1, a.steps.max(1)) },
         "profile_us": profile.iter().map(|(k, v)| (k.clone(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
     });
+    if let Some(t) = timeline {
+        v["timeline"] = timeline_json(t);
+    }
     load.json(&mut v);
     v
 }
@@ -454,10 +465,11 @@ fn report_text(
     r: &BenchReport,
     l: &LaunchInfo,
     profile: &[(String, f64)],
+    timeline: Option<&Timeline>,
     load: &Load,
 ) -> String {
     if a.json {
-        return format!("{}\n", report_json(a, r, l, profile, load));
+        return format!("{}\n", report_json(a, r, l, profile, timeline, load));
     }
     let mut s = format!(
         "{} on {} ({}), synthetic weights, context {} (timed positions {}..{}), flags {}\n",
@@ -494,11 +506,63 @@ fn report_text(
     for (name, us) in profile {
         line(format!("  profile: {name:<32} {us:>10.1} us/step"));
     }
+    if let Some(t) = timeline {
+        for l in timeline_text(t) {
+            line(l);
+        }
+    }
     line(format!(
         "  barriers/step  {:>10}  grid {} x {} threads, {} regs, {} B smem",
         r.barriers_per_step, r.grid, l.block, r.registers, l.smem_bytes
     ));
     s + &load.text()
+}
+
+/// The step timeline as JSON: per op kind its critical path, the mean
+/// CTA's time in it and the barriers after it, us per step.
+fn timeline_json(t: &Timeline) -> serde_json::Value {
+    let ops: serde_json::Map<_, _> = t
+        .rows
+        .iter()
+        .map(|r| {
+            let v = serde_json::json!({
+                "critical_us": r.critical_us,
+                "busy_mean_us": r.busy_mean_us,
+                "barrier_us": r.barrier_us,
+            });
+            (r.name.to_string(), v)
+        })
+        .collect();
+    serde_json::json!({
+        "steps": t.steps,
+        "total_us": t.total_us,
+        "launch_skew_us": t.launch_skew_us,
+        "tail_us": t.tail_us,
+        "barrier_us": t.barrier_us(),
+        "tick_ns": t.tick_ns,
+        "ops": ops,
+    })
+}
+
+/// The step timeline as table lines.
+fn timeline_text(t: &Timeline) -> Vec<String> {
+    let mut out = vec![
+        format!(
+            "  timeline: {:.1} us/step traced (median of {} steps; timer step <= {} ns): barriers {:.1}, launch skew {:.1}, argmax tail {:.1}",
+            t.total_us, t.steps, t.tick_ns, t.barrier_us(), t.launch_skew_us, t.tail_us
+        ),
+        format!(
+            "    {:<14} {:>14} {:>16} {:>12}",
+            "op", "critical us", "mean CTA busy", "barrier us"
+        ),
+    ];
+    for r in &t.rows {
+        out.push(format!(
+            "    {:<14} {:>14.1} {:>16.1} {:>12.1}",
+            r.name, r.critical_us, r.busy_mean_us, r.barrier_us
+        ));
+    }
+    out
 }
 
 /// Prefill phases in skip-bit order (`qmk_prefill_chunk`, kernels/cuda/prefill.cuh).
@@ -754,7 +818,30 @@ mod tests {
             compile_s: 1.5,
             peak_rss: Some(300 << 20),
         };
-        let v = report_json(&a, &r, &launch, &[("full".into(), 250.0)], &load);
+        let timeline = Timeline {
+            steps: 3,
+            rows: Timeline::OPS
+                .iter()
+                .map(|&name| qmk_gpu::TimelineRow {
+                    name,
+                    critical_us: 40.0,
+                    busy_mean_us: 30.0,
+                    barrier_us: 2.5,
+                })
+                .collect(),
+            launch_skew_us: 1.0,
+            tail_us: 3.0,
+            total_us: 259.0,
+            tick_ns: 32,
+        };
+        let profile = [("full".into(), 250.0)];
+        let v = report_json(&a, &r, &launch, &profile, Some(&timeline), &load);
+        assert_eq!(v["timeline"]["barrier_us"], 15.0);
+        assert_eq!(v["timeline"]["ops"]["attention"]["critical_us"], 40.0);
+        assert_eq!(v["timeline"]["ops"]["lm_head"]["busy_mean_us"], 30.0);
+        let text = timeline_text(&timeline).join("\n");
+        assert!(text.contains("barriers 15.0"), "{text}");
+        assert!(text.contains("mlp gate/up"), "{text}");
         assert_eq!(v["upload_gbps"], 8.0);
         assert_eq!(v["peak_rss_bytes"], 300u64 << 20);
         assert_eq!(v["upload_buffers"], 3);

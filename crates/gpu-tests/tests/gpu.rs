@@ -346,3 +346,74 @@ both!(
     e_cubin_files_and_memory_errors,
     cubin_files_and_memory_errors
 );
+
+/// The step timeline changes no result: 12 traced steps give the picks and
+/// bit-identical logits of 12 plain ones. Every trace is well formed (each
+/// CTA's stamps in order; no CTA leaves a barrier before the last arrival,
+/// up to 2 us of timer skew between multiprocessors), and the bench's
+/// timeline splits the step: ops, barriers, launch skew and tail add up to
+/// it.
+fn step_timeline<D: Driver>() {
+    let test = format!("{} step timeline", D::NAME);
+    let Some(_g) = gpu_or_skip(&test) else { return };
+    let w = weights("0.5b");
+    let mut b: GpuBackend<D> = open(&w, with_capacity(64));
+    b.reset().unwrap();
+    let mut tok = PROMPT[0];
+    let mut plain = Vec::new();
+    for pos in 0..12 {
+        tok = b.step(tok, pos).unwrap().argmax;
+        plain.push((tok, b.logits().unwrap()));
+    }
+    b.reset().unwrap();
+    let mut tok = PROMPT[0];
+    let barriers = b.kernel_build().barriers_per_step;
+    for (pos, (want, logits)) in plain.iter().enumerate() {
+        let (out, trace) = b.step_traced(tok, pos).unwrap();
+        tok = out.argmax;
+        assert_eq!(tok, *want, "{test}: step {pos} picked another id");
+        assert!(
+            b.logits().unwrap() == *logits,
+            "{test}: step {pos}: logits differ with the timeline on"
+        );
+        assert_eq!(trace.barriers(), barriers);
+        if let Err(e) = trace.check(2_000) {
+            panic!("{test}: step {pos}: {e}");
+        }
+    }
+    let t = b
+        .bench_timeline(&qmk_gpu::BenchOptions {
+            warmup: 4,
+            steps: 16,
+            ..Default::default()
+        })
+        .unwrap();
+    let parts: f64 = t
+        .rows
+        .iter()
+        .map(|r| r.critical_us + r.barrier_us)
+        .sum::<f64>()
+        + t.launch_skew_us
+        + t.tail_us;
+    println!(
+        "{test}: 12 traced steps equal plain ones; timeline {:.1} us/step (parts {parts:.1}), barriers {:.1} us, timer step <= {} ns",
+        t.total_us,
+        t.barrier_us(),
+        t.tick_ns
+    );
+    for r in &t.rows {
+        println!(
+            "{test}:   {:<12} critical {:>8.1} us, mean CTA busy {:>8.1} us, barriers {:>6.1} us",
+            r.name, r.critical_us, r.busy_mean_us, r.barrier_us
+        );
+        assert!(r.critical_us > 0.0, "{test}: {} took no time", r.name);
+    }
+    // Medians of sums need not add up exactly; within 5 %.
+    assert!(
+        (parts - t.total_us).abs() <= 0.05 * t.total_us,
+        "{test}: parts {parts:.1} us vs step {:.1} us",
+        t.total_us
+    );
+}
+
+both!(f_step_timeline, step_timeline);

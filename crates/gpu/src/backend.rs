@@ -59,7 +59,7 @@ pub struct GpuBackend<D: Driver> {
     dead: Option<String>,
     needs_reset: Option<String>,
     debug_flags: u32,
-    last_argmax: u32,
+    pub(crate) last_argmax: u32,
     pub(crate) opts: Options,
     /// What the streamed weight upload did.
     upload: UploadStats,
@@ -815,7 +815,7 @@ impl<D: Driver> GpuBackend<D> {
         Ok(())
     }
 
-    fn check_inputs(&self, token: u32, pos: usize) -> Result<()> {
+    pub(crate) fn check_inputs(&self, token: u32, pos: usize) -> Result<()> {
         self.check_token(token)?;
         if pos >= self.capacity {
             return Err(Error::Position {

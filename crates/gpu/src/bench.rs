@@ -8,17 +8,19 @@
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
-use qmk_engine::Backend as _;
+use qmk_engine::{Backend as _, StepOutput};
+use qmk_kernels::params::FLAG_TRACE;
 use qmk_kernels::{StreamParams, FLAG_TOKEN_FROM_ARGMAX, THREADS_PER_CTA};
 
 use crate::backend::{alloc, GpuBackend};
 use crate::driver::{DeviceMemory, Driver, LaunchShape};
 use crate::error::{Error, Result};
-use crate::plan::prefill_chunks;
+use crate::plan::{barriers_per_step, prefill_chunks, trace_bytes};
 use crate::stats::{
     bench_positions, median, percentile, prefill_flops, BenchOptions, BenchReport, LaunchOverhead,
     PrefillReport, KV_FILL_BF16, PROFILE_VARIANTS,
 };
+use crate::trace::{StepTrace, Timeline};
 
 /// The smallest streaming-read buffer the floor is measured with.
 pub const MIN_STREAM_BYTES: u64 = 1 << 30;
@@ -206,17 +208,10 @@ impl<D: Driver> GpuBackend<D> {
         Ok(())
     }
 
-    /// Per-step times (us) of the timed steps of one back-to-back run at
-    /// the positions of [`bench_positions`] (KV filled first when they do
-    /// not start at 0). `greedy`: the kernel feeds its own pick forward;
-    /// else the token is fixed (profiling variants compute garbage, whose
-    /// argmax may be no token at all).
-    fn time_steps(
-        &mut self,
-        opts: &BenchOptions,
-        extra_flags: u32,
-        greedy: bool,
-    ) -> Result<Vec<f64>> {
+    /// The positions of a bench run ([`bench_positions`]), checked against
+    /// the KV capacity; resets the engine and fills the KV cache when they
+    /// do not start at 0.
+    fn start_bench(&mut self, opts: &BenchOptions) -> Result<(usize, usize)> {
         let (first, total) = bench_positions(opts);
         if opts.steps == 0 || first + total > self.capacity {
             return Err(Error::Option {
@@ -232,6 +227,78 @@ impl<D: Driver> GpuBackend<D> {
         if first > 0 {
             self.fill_kv_cache()?;
         }
+        Ok((first, total))
+    }
+
+    /// The timeline the last traced step wrote.
+    fn read_trace(&mut self) -> Result<StepTrace> {
+        let grid = self.launch.grid;
+        let words = trace_bytes(&self.config, grid)? / 8;
+        let mut raw = vec![0u64; words as usize];
+        // SAFETY: the trace buffer holds trace_bytes at params.trace; no
+        // step is running.
+        let r = unsafe {
+            self.driver
+                .dtoh(bytemuck::cast_slice_mut(&mut raw), self.params.trace)
+        };
+        r.map_err(|c| self.fail("cuMemcpyDtoH (trace)", c))?;
+        let barriers = u32::try_from(barriers_per_step(&self.config))
+            .map_err(|_| Error::Overflow("the barriers per step".into()))?;
+        StepTrace::from_raw(grid, barriers, raw)
+    }
+
+    /// One decode step with the timeline on ([`FLAG_TRACE`]): the same pick,
+    /// logits and KV cache as a plain step, and the step's stamps.
+    pub fn step_traced(&mut self, token: u32, pos: usize) -> Result<(StepOutput, StepTrace)> {
+        self.usable()?;
+        self.check_inputs(token, pos)?;
+        let ev = self.new_event()?;
+        self.launch_step(token, pos, FLAG_TRACE)?;
+        self.record(&ev)?;
+        self.wait(&ev, self.opts.step_deadline)?;
+        self.next_pos = pos + 1;
+        let trace = self.read_trace()?;
+        let out = StepOutput {
+            argmax: self.last_argmax,
+        };
+        Ok((out, trace))
+    }
+
+    /// Where a step's time goes (`bench --profile`): greedy steps at the
+    /// positions of [`bench_positions`], one launch and wait each, the timed
+    /// ones traced ([`Timeline`]). Resets the engine before and after.
+    pub fn bench_timeline(&mut self, opts: &BenchOptions) -> Result<Timeline> {
+        let (first, total) = self.start_bench(opts)?;
+        let mut traces = Vec::with_capacity(opts.steps);
+        for i in 0..total {
+            let mut flags = opts.flags | FLAG_TRACE;
+            if i > 0 {
+                flags |= FLAG_TOKEN_FROM_ARGMAX;
+            }
+            let ev = self.new_event()?;
+            self.launch_step(opts.first_token, first + i, flags)?;
+            self.record(&ev)?;
+            self.wait(&ev, self.opts.step_deadline)?;
+            if i >= opts.warmup {
+                traces.push(self.read_trace()?);
+            }
+        }
+        self.reset()?;
+        Timeline::from_traces(&traces)
+    }
+
+    /// Per-step times (us) of the timed steps of one back-to-back run at
+    /// the positions of [`bench_positions`] (KV filled first when they do
+    /// not start at 0). `greedy`: the kernel feeds its own pick forward;
+    /// else the token is fixed (profiling variants compute garbage, whose
+    /// argmax may be no token at all).
+    fn time_steps(
+        &mut self,
+        opts: &BenchOptions,
+        extra_flags: u32,
+        greedy: bool,
+    ) -> Result<Vec<f64>> {
+        let (first, total) = self.start_bench(opts)?;
         let evs = (0..=total)
             .map(|_| self.new_event())
             .collect::<Result<Vec<_>>>()?;

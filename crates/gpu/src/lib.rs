@@ -34,6 +34,7 @@ mod probe;
 pub mod staging;
 pub mod stats;
 mod status;
+pub mod trace;
 pub mod upload;
 
 pub use backend::GpuBackend;
@@ -51,6 +52,7 @@ pub use plan::{largest_context, LaunchInfo, MemoryPlan, FIT_RESERVE_BYTES, MAX_K
 pub use probe::{ProbeReport, ProbeRun};
 pub use staging::{PlannedChunk, WeightSource};
 pub use stats::{BenchOptions, BenchReport, LaunchOverhead, PrefillReport};
+pub use trace::{StepTrace, Timeline, TimelineRow};
 pub use upload::{UploadOptions, UploadStats};
 
 /// The public API of a driver crate, written once: re-exports of the
@@ -61,8 +63,8 @@ macro_rules! driver_api {
     ($driver:ident, $backend:ident, $binding:literal) => {
         pub use $crate::{
             BenchOptions, BenchReport, CudaCode, DeviceInfo, Error, LaunchInfo, LaunchOverhead,
-            MemoryPlan, Options, PrefillReport, ProbeReport, ProbeRun, Progress, Result,
-            UploadOptions, UploadStats,
+            MemoryPlan, Options, PrefillReport, ProbeReport, ProbeRun, Progress, Result, StepTrace,
+            Timeline, TimelineRow, UploadOptions, UploadStats,
         };
 
         #[doc = concat!("The megakernel engine on one GPU through ", $binding, ".")]

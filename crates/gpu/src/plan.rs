@@ -82,6 +82,8 @@ pub enum Buffer {
     Sync,
     /// Split-attention scratch ([`attn_part_bytes`]).
     AttnPart,
+    /// The step timeline of `bench --profile` ([`trace_bytes`]).
+    Trace,
 }
 
 impl Buffer {
@@ -102,6 +104,7 @@ impl Buffer {
             Buffer::ArgmaxOut => "argmax_out",
             Buffer::Sync => "sync",
             Buffer::AttnPart => "attn_part",
+            Buffer::Trace => "trace",
         }
     }
 }
@@ -123,6 +126,7 @@ pub fn set_buffer(params: &mut KernelParams, buffer: Buffer, addr: u64) {
         Buffer::ArgmaxOut => &mut params.argmax_out,
         Buffer::Sync => &mut params.sync,
         Buffer::AttnPart => &mut params.attn_part,
+        Buffer::Trace => &mut params.trace,
     };
     *field = addr;
 }
@@ -270,6 +274,22 @@ pub fn attn_max_splits(config: &Config, grid: u32) -> u32 {
     (grid / kvh).clamp(1, ATTN_MAX_SPLITS)
 }
 
+/// Grid barriers per decode step: five per layer and one after the LM head
+/// (the kernel asserts the same count).
+pub fn barriers_per_step(config: &Config) -> u64 {
+    config.num_hidden_layers as u64 * 5 + 1
+}
+
+/// Bytes of the step timeline (`KernelParams::trace`): u64 `[grid, B + 1,
+/// 2]`, B = [`barriers_per_step`].
+pub fn trace_bytes(config: &Config, grid: u32) -> Result<u64> {
+    let what = "the step timeline";
+    let slots = barriers_per_step(config)
+        .checked_add(1)
+        .ok_or_else(|| overflow(what))?;
+    mul(mul(u64::from(grid), slots, what)?, 16, what)
+}
+
 /// Bytes of the split-attention scratch (`KernelParams::attn_part`):
 /// tickets `[L, KVH]` u32 padded to 4 words, then `[HEADS, S, D]` f32
 /// (block accumulators, 16-byte aligned) and `[HEADS, S, 2]` f32 (block
@@ -388,6 +408,7 @@ impl MemoryPlan {
             (Buffer::ArgmaxOut, 16),
             (Buffer::Sync, size_of::<SyncState>() as u64),
             (Buffer::AttnPart, attn_part_bytes(config, grid)?),
+            (Buffer::Trace, trace_bytes(config, grid)?),
         ];
         let mut prefill = Vec::new();
         if let Some(t) = prefill_chunk {
@@ -561,6 +582,20 @@ mod tests {
         set_buffer(&mut p, Buffer::AttnPart, 0xabc0);
         assert_eq!(p.attn_part, 0xabc0);
         assert_eq!(Buffer::AttnPart.name(), "attn_part");
+    }
+
+    #[test]
+    fn trace_timeline() {
+        // 7B: 28 layers, 141 barriers; 132 CTAs x 142 slots x 2 u64.
+        let c7 = Config::preset("7b").unwrap();
+        assert_eq!(barriers_per_step(&c7), 141);
+        assert_eq!(trace_bytes(&c7, 132).unwrap(), 132 * 142 * 16);
+        let plan = MemoryPlan::new(&c7, 4096, 132, None).unwrap();
+        assert!(plan.buffers.contains(&(Buffer::Trace, 132 * 142 * 16)));
+        let mut p: KernelParams = bytemuck::Zeroable::zeroed();
+        set_buffer(&mut p, Buffer::Trace, 0x7700);
+        assert_eq!(p.trace, 0x7700);
+        assert_eq!(Buffer::Trace.name(), "trace");
     }
 
     #[test]

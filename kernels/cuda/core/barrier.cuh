@@ -6,6 +6,11 @@
 // wait is bounded: it gives up when Params::spin_timeout_ns passes, when the
 // host raises HostStatus::abort, or when another CTA has claimed an error.
 //
+// The decode step's barrier is traceable (kTraced): with kFlagTrace, thread
+// 0 stamps the CTA's start, each arrival and each release into
+// Params::trace (trace_slot). The prefill's is not, and compiles as if the
+// trace did not exist.
+//
 // Thread 0 arrives with red.release.gpu after bar.sync and polls with
 // ld.acquire.gpu (release/acquire through the CTA barrier are cumulative in
 // the PTX memory model). A __threadfence before the arrival and after the
@@ -28,14 +33,27 @@ __device__ __forceinline__ void record_error(const Params& p, u32 code, u32 phas
     }
 }
 
-struct GridBarrier {
+// Slot `k` of this CTA's timeline ([B + 1][2] u64, Params::trace).
+__device__ __forceinline__ u64* trace_slot(const Params& p, u32 k) {
+    return reinterpret_cast<u64*>(p.trace) + ((u64)blockIdx.x * (QMK_BARRIERS_PER_STEP + 1u) + k) * 2u;
+}
+
+template <bool kTraced>
+struct GridBarrierT {
     u64 base;  // arrivals before this launch (thread 0 only)
     u32 count; // barriers passed in this launch
 
     __device__ __forceinline__ void init(const Params& p) {
         count = 0;
         base = 0;
-        if (threadIdx.x == 0) base = ld_acquire_u64(&reinterpret_cast<SyncState*>(p.sync)->base);
+        if (threadIdx.x == 0) {
+            base = ld_acquire_u64(&reinterpret_cast<SyncState*>(p.sync)->base);
+            if (kTraced && (p.flags & kFlagTrace)) {
+                u64* t = trace_slot(p, 0);
+                t[0] = globaltimer_ns();
+                t[1] = 0;
+            }
+        }
     }
 
     // Returns false when the wait was abandoned (error recorded); the caller
@@ -50,6 +68,8 @@ struct GridBarrier {
             const u64 target = base + (u64)count * (u64)gridDim.x;
             int ok = 1;
             const bool hang = (p.flags & kFlagDebugHang) && count == 1 && blockIdx.x + 1 == gridDim.x;
+            const bool trace = kTraced && (p.flags & kFlagTrace) && count <= QMK_BARRIERS_PER_STEP;
+            if (trace) trace_slot(p, count)[0] = globaltimer_ns();
             // Release at gpu scope orders this CTA's writes (made visible to
             // thread 0 by bar.sync) before the arrival.
             if (!hang) red_release_add_u64(&s->arrived, 1ull);
@@ -75,6 +95,7 @@ struct GridBarrier {
                     }
                 }
             }
+            if (trace) trace_slot(p, count)[1] = globaltimer_ns();
             s_ok = ok;
         }
         __syncthreads();
@@ -88,5 +109,8 @@ struct GridBarrier {
         s->base = base + (u64)count * (u64)gridDim.x;
     }
 };
+
+// The prefill chunk's barrier (untraced).
+using GridBarrier = GridBarrierT<false>;
 
 }  // namespace qmk

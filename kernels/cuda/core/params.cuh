@@ -55,6 +55,10 @@ struct Params {
     u64 attn_part;        // split attention scratch: tickets [L, KVH] u32 (padded
                           // to 4 words), acc [HEADS, S, D] f32, m/l [HEADS, S, 2]
                           // f32, S = min(grid / KVH, kAttnMaxSplits) (>= 1)
+    u64 trace;            // [grid, B + 1, 2] u64 step timeline (kFlagTrace),
+                          // B = grid barriers per step: slot 0 = (start, end),
+                          // slot k = (arrival, release) of barrier k, in
+                          // %globaltimer nanoseconds
 };
 
 // Most sequence blocks per kv head of the split attention (sizes its
@@ -65,8 +69,8 @@ constexpr u32 kAttnSplitMinContext = 512u;
 
 // Flag bits of Params::flags. Only what the product or its tests use; each
 // test hook or oracle leaves the default path's code and results unchanged
-// when its bit is clear. Bits in use: 0, 1, 3, 5, 6, 8-13 (the skip mask),
-// 18, 19.
+// when its bit is clear. Bits in use: 0-3, 5, 6, 8-13 (the skip mask), 18,
+// 19.
 //
 // Product: read the token from argmax_out (the previous step's pick)
 // instead of Params::token: back-to-back greedy decoding with no host
@@ -75,6 +79,10 @@ constexpr u32 kFlagTokenFromArgmax = 1u;
 // Fault test: the last CTA skips its arrival at the first barrier, a real
 // hang that every other spin-wait must turn into an error.
 constexpr u32 kFlagDebugHang = 2u;
+// Profiling (bench --profile): thread 0 of every CTA writes the step's
+// timeline to Params::trace: its start, each barrier's arrival and release,
+// and (CTA 0) the end. Results are unchanged; a few clock reads per barrier.
+constexpr u32 kFlagTrace = 4u;
 // Fault test: thread 0 of CTA 0 reads one word past the logits buffer
 // (memcheck with --padding reports it), then far out of bounds (a weight
 // chunk + 2^40: CUDA_ERROR_ILLEGAL_ADDRESS, sticky).
