@@ -258,6 +258,12 @@ pub struct SpeculateArgs {
     /// Branch, tag or commit of a Hub --draft-model.
     #[arg(long, default_value = "main", value_parser = revision, requires = "draft_model")]
     pub draft_revision: String,
+
+    /// Verify the most guesses (7) at every step, however often they are
+    /// wrong, instead of weighing acceptance against cost: for
+    /// measurements and tests.
+    #[arg(long)]
+    pub speculate_always: bool,
 }
 
 impl SpeculateArgs {
@@ -288,6 +294,7 @@ impl SpeculateArgs {
     pub fn options(&self) -> SpeculativeOptions {
         SpeculativeOptions {
             mode: self.speculate.mode(),
+            adaptive: !self.speculate_always,
             ..SpeculativeOptions::default()
         }
     }
