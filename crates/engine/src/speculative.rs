@@ -330,7 +330,7 @@ pub(crate) fn decode<B: Backend>(
     let s = &opts.sampling;
     let mut rng = Rng::new(s.seed);
     // Greedy without a penalty is the backend's own pick: no logits copy.
-    let needs_logits = !(s.is_greedy() && !s.has_penalty());
+    let needs_logits = !s.is_greedy() || s.has_penalty();
     let mut history = if s.has_penalty() {
         TokenHistory::new(prompt)
     } else {
@@ -1085,7 +1085,8 @@ mod tests {
         let mut e = Engine::new(CpuBackend::new(w.clone(), cap).unwrap(), STAT_VOCAB);
         // (what drafts, drafter, mode): after the first token (the prefill's)
         // one verify checks 2 guesses and adds a third token.
-        let cases: Vec<(&str, Option<Box<dyn Drafter>>, SpeculateMode)> = vec![
+        type Case = (&'static str, Option<Box<dyn Drafter>>, SpeculateMode);
+        let cases: Vec<Case> = vec![
             ("plain sampler", None, SpeculateMode::Off),
             (
                 "one-hot: the target's own greedy picks",
