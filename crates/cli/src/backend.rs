@@ -86,12 +86,12 @@ impl Tap {
 
 /// Any backend, erased, with an optional top-logprobs tap.
 pub struct AnyBackend {
-    inner: Box<dyn ErasedBackend>,
+    inner: Box<dyn ErasedBackend + Send>,
     tap: Option<Tap>,
 }
 
 impl AnyBackend {
-    pub fn new<B: Backend + 'static>(backend: B) -> Self {
+    pub fn new<B: Backend + Send + 'static>(backend: B) -> Self {
         AnyBackend {
             inner: Box::new(backend),
             tap: None,

@@ -351,7 +351,7 @@ pub fn with_draft(
     mut engine: Engine<AnyBackend>,
     draft: Option<DraftModel<AnyBackend>>,
 ) -> Engine<AnyBackend> {
-    engine.set_drafter(draft.map(|d| Box::new(d) as Box<dyn qmk_engine::draft::Drafter>));
+    engine.set_drafter(draft.map(|d| Box::new(d) as Box<dyn qmk_engine::draft::Drafter + Send>));
     engine
 }
 

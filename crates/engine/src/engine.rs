@@ -100,7 +100,7 @@ pub struct Engine<B: Backend> {
     backend: B,
     vocab_size: usize,
     /// The drafter of [`SpeculateMode::Draft`] (a draft model).
-    drafter: Option<Box<dyn Drafter>>,
+    drafter: Option<Box<dyn Drafter + Send>>,
     /// The drafter of [`SpeculateMode::Ngram`].
     lookup: PromptLookup,
 }
@@ -119,8 +119,9 @@ impl<B: Backend> Engine<B> {
 
     /// Sets the drafter that [`SpeculateMode::Draft`] (and `Auto` for
     /// greedy requests) uses, e.g. a [`crate::draft::DraftModel`]; `None`
-    /// removes it.
-    pub fn set_drafter(&mut self, drafter: Option<Box<dyn Drafter>>) {
+    /// removes it. `Send`, so an engine over a `Send` backend can still move
+    /// to another thread.
+    pub fn set_drafter(&mut self, drafter: Option<Box<dyn Drafter + Send>>) {
         self.drafter = drafter;
     }
 
@@ -203,7 +204,10 @@ impl<B: Backend> Engine<B> {
             .resolve(&opts.sampling, self.has_drafter())?;
         let drafter: Option<&mut (dyn Drafter + 'static)> = match mode {
             SpeculateMode::Ngram => Some(&mut self.lookup),
-            SpeculateMode::Draft => self.drafter.as_deref_mut(),
+            SpeculateMode::Draft => self
+                .drafter
+                .as_deref_mut()
+                .map(|d| d as &mut (dyn Drafter + 'static)),
             _ => None,
         };
         speculative::decode(&mut self.backend, drafter, mode, prompt, opts, on_token)
@@ -278,6 +282,13 @@ mod tests {
         opts: &GenerateOptions,
     ) -> Result<Generation, EngineError> {
         e.generate(prompt, opts, |_| ControlFlow::Continue(()))
+    }
+
+    #[test]
+    fn an_engine_over_a_send_backend_is_send() {
+        fn send<T: Send>() {}
+        send::<Engine<crate::CpuBackend>>();
+        send::<Engine<Fake>>();
     }
 
     #[test]

@@ -545,7 +545,7 @@ mod tests {
     /// as its draft drafter when given.
     fn speculate<B: Backend>(
         engine: &mut Engine<B>,
-        drafter: Option<Box<dyn Drafter>>,
+        drafter: Option<Box<dyn Drafter + Send>>,
         prompt: &[u32],
         opts: &GenerateOptions,
     ) -> Generation {
@@ -698,7 +698,7 @@ mod tests {
         let prompt = random_prompt(7, 6);
         let n = 120;
         let want = plain(&w, &prompt, n, &[]);
-        let oracle = |wrong_after| -> Option<Box<dyn Drafter>> {
+        let oracle = |wrong_after| -> Option<Box<dyn Drafter + Send>> {
             Some(Box::new(Oracle {
                 answer: want.clone(),
                 prompt_len: prompt.len(),
@@ -1085,7 +1085,7 @@ mod tests {
         let mut e = Engine::new(CpuBackend::new(w.clone(), cap).unwrap(), STAT_VOCAB);
         // (what drafts, drafter, mode): after the first token (the prefill's)
         // one verify checks 2 guesses and adds a third token.
-        type Case = (&'static str, Option<Box<dyn Drafter>>, SpeculateMode);
+        type Case = (&'static str, Option<Box<dyn Drafter + Send>>, SpeculateMode);
         let cases: Vec<Case> = vec![
             ("plain sampler", None, SpeculateMode::Off),
             (
