@@ -14,8 +14,8 @@ use qmk_model::chat::Message;
 use serde::Deserialize;
 
 use crate::common::{
-    choose_target, engine_error, open_backend, with_draft, BackendChoice, Model, ModelArgs,
-    RunArgs, SpeculateArgs, SpeculateChoice,
+    choose_target, engine_error, model_context, open_backend, with_draft, BackendChoice, Model,
+    ModelArgs, RunArgs, SpeculateArgs, SpeculateChoice,
 };
 use crate::output::print;
 use crate::ui::Ui;
@@ -152,6 +152,13 @@ pub fn run(b: SpecBench<'_>) -> Result<()> {
     }
     let longest = prompts.iter().map(|p| p.1.len()).max().unwrap_or(1);
     let capacity = longest + b.max_new_tokens - 1;
+    let (model_max, max_name) = model_context(&model.config);
+    if capacity > model_max {
+        bail!(
+            "--prompts: the longest prompt ({longest} tokens) plus --max-new-tokens {} needs              {capacity} positions, more than the model's {max_name} ({model_max})",
+            b.max_new_tokens
+        );
+    }
     let run = RunArgs {
         backend: b.backend,
         context: Some(capacity),

@@ -302,6 +302,19 @@ fn bench_prompts_compares_plain_and_speculative_decoding() {
     r.assert_ok();
     assert!(r.stdout.contains("all 2 prompts on cpu"), "{r:#?}");
     assert!(r.stdout.contains("identical: yes"), "{r:#?}");
+    // The tiny model holds 256 positions.
+    run(&[
+        "bench",
+        "--model",
+        &m,
+        "--backend",
+        "cpu",
+        "--prompts",
+        &p,
+        "--max-new-tokens",
+        "300",
+    ])
+    .assert_error(&["--max-new-tokens 300", "max_position_embeddings (256)"]);
     // --speculate off has nothing to compare.
     run(&[
         "bench",
