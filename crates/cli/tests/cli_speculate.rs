@@ -207,6 +207,10 @@ fn bad_speculation_flags_are_refused() {
     base(&["--speculate", "sometimes"]).assert_usage_error(&["--speculate", "auto"]);
     base(&["--draft-revision", "main"]).assert_usage_error(&["--draft-model"]);
     run(&["bench", "--speculate", "ngram"]).assert_usage_error(&["--prompts"]);
+    for cmd in ["chat", "serve"] {
+        run(&[cmd, "--model", "/nonexistent", "--speculate", "draft"])
+            .assert_usage_error(&["--speculate draft needs --draft-model"]);
+    }
 }
 
 #[test]
