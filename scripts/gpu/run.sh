@@ -46,7 +46,9 @@
 #               rotary table), then the real_weights test program: plain
 #               goldens, YaRN goldens, YaRN at 40,000 positions vs the CPU
 #               reference fed the GPU's cache
-#   speculate   the real 0.5B weights (as `real`): qwen-mk bench --prompts
+#   speculate   the real 0.5B weights (as `real`): the speculative test
+#               program with them (goldens, ngram and the 0.5B drafting for
+#               itself, both drivers), then qwen-mk bench --prompts
 #               benches/prompts/code-edit.jsonl, plain against prompt-lookup
 #               decoding (every step verifying 7 guesses: --speculate-always)
 #               on both drivers, then the adaptive rule's choice (auto); fails
@@ -246,6 +248,7 @@ for step in $STEPS; do
       R=${QMK_REAL_QWEN:-/tmp/real-qwen/model}
       [[ -f $R/config.json ]] || { note "FAIL speculate: no model at $R"; continue; }
       P=$ROOT/benches/prompts/code-edit.jsonl
+      QMK_REAL_QWEN=$R run_tests test-speculative 400
       for d in cudarc cust; do
         bench "speculate-ngram-$d" qwen-mk --model "$R" --backend $d --prompts "$P" \
           --speculate ngram --speculate-always

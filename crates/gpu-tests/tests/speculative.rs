@@ -1,14 +1,17 @@
 //! Speculative greedy decoding on the GPU backend, on both drivers: with
-//! prompt lookup and with a second backend of the same synthetic 0.5B
-//! weights drafting, every guess verified (the adaptive rule off, since the
-//! GPU backend's multi-token step is still the default one, which never
-//! pays), the output ids equal plain greedy decoding's. Skips with a
-//! printed reason when there is no device.
+//! prompt lookup and with a second backend of the same weights drafting,
+//! every guess verified (the adaptive rule off, since the GPU backend's
+//! multi-token step is still the default one, which never pays), the output
+//! ids equal plain greedy decoding's: on the synthetic 0.5B, and on the real
+//! Qwen2.5-Coder-0.5B-Instruct (directory in `QMK_REAL_QWEN`) for the golden
+//! prompts. Skips with a printed reason when there is no device (or no real
+//! weights).
 
 use qmk_gpu_tests::*;
 
 use std::ops::ControlFlow;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use qmk_engine::draft::{DraftModel, ModelVocab};
 use qmk_engine::{Engine, GenerateOptions, Generation, SpeculateMode, SpeculativeOptions};
@@ -75,3 +78,82 @@ fn speculative_equals_plain<D: Driver + 'static>() {
 }
 
 both!(speculative_greedy_equals_plain, speculative_equals_plain);
+
+/// Tokens per golden prompt (as many as the goldens hold).
+const GOLDEN_TOKENS: usize = 48;
+
+fn real_goldens_speculative<D: Driver + 'static>() {
+    let test = format!("real 0.5B goldens, speculative == plain ({})", D::NAME);
+    let Some(_g) = gpu_or_skip(&test) else { return };
+    let Some(dir) = std::env::var_os("QMK_REAL_QWEN").map(PathBuf::from) else {
+        println!("SKIPPED {test}: QMK_REAL_QWEN is not set (the real-weights directory)");
+        return;
+    };
+    let w = Arc::new(qmk_model::load_weights(&dir).unwrap());
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../model/tests/data/golden/qwen2.5-coder-0.5b-instruct.jsonl");
+    let prompts: Vec<(String, Vec<u32>)> = std::fs::read_to_string(&golden)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let ids = v["input_ids"].as_array().unwrap();
+            let ids = ids.iter().map(|x| x.as_u64().unwrap() as u32).collect();
+            (v["id"].as_str().unwrap().to_string(), ids)
+        })
+        .collect();
+    let capacity = prompts.iter().map(|p| p.1.len()).max().unwrap() + GOLDEN_TOKENS;
+    let vocab = ModelVocab {
+        name: "qwen2.5-coder-0.5b-instruct",
+        tokenizer: &tok,
+        rows: w.config.vocab_size,
+    };
+    let mut engine = Engine::new(open::<D>(&w, with_capacity(capacity)), w.config.vocab_size);
+    let draft = DraftModel::new(open::<D>(&w, with_capacity(capacity)), vocab, vocab, 1.0)
+        .unwrap_or_else(|e| panic!("{test}: {e}"));
+    engine.set_drafter(Some(Box::new(draft)));
+    let (mut proposed, mut accepted) = (0, 0);
+    for (name, prompt) in &prompts {
+        let mut go = |mode| {
+            let opts = GenerateOptions {
+                max_new_tokens: GOLDEN_TOKENS,
+                ignore_eos: true,
+                speculation: SpeculativeOptions {
+                    mode,
+                    adaptive: false,
+                    ..SpeculativeOptions::default()
+                },
+                ..GenerateOptions::default()
+            };
+            engine
+                .generate(prompt, &opts, |_| ControlFlow::Continue(()))
+                .unwrap_or_else(|e| panic!("{test}: {name}: {e}"))
+        };
+        let plain = go(SpeculateMode::Off);
+        for mode in [SpeculateMode::Ngram, SpeculateMode::Draft] {
+            let got = go(mode);
+            assert_eq!(
+                got.output_ids,
+                plain.output_ids,
+                "{test}: {name}: {}",
+                mode.name()
+            );
+            if mode == SpeculateMode::Draft {
+                proposed += got.speculation.proposed;
+                accepted += got.speculation.accepted;
+            }
+        }
+    }
+    println!(
+        "{test}: {} prompts x {GOLDEN_TOKENS} ids identical for ngram and the 0.5B drafting \
+         for itself ({accepted} of {proposed} guesses accepted)",
+        prompts.len()
+    );
+}
+
+both!(
+    real_goldens_speculative_equal_plain,
+    real_goldens_speculative
+);
