@@ -12,7 +12,7 @@
 #               (without the 7B 3,000-token prefill case, whose CPU reference
 #               takes minutes; FULL=1 runs it)
 #   test-NAME   one GPU test program (gpu, long_context, prefill, faults,
-#               endurance, scale), e.g. `test-faults`
+#               endurance, scale, speculative), e.g. `test-faults`
 #   checksums   per-step logit checksums at 0.5B and 7B, both drivers; written
 #               to $OUT/checksums.txt and compared against the recorded file
 #   bench       qwen-mk bench: decode 0.5B / 7B / 14B (short context), 7B at
@@ -49,6 +49,13 @@
 #               rotary table), then the real_weights test program: plain
 #               goldens, YaRN goldens, YaRN at 40,000 positions vs the CPU
 #               reference fed the GPU's cache
+#   speculate   the real 0.5B weights (as `real`): the speculative test
+#               program with them (goldens, ngram and the 0.5B drafting for
+#               itself, both drivers), then qwen-mk bench --prompts
+#               benches/prompts/code-edit.jsonl, plain against prompt-lookup
+#               decoding (every step verifying 7 guesses: --speculate-always)
+#               on both drivers, then the adaptive rule's choice (auto); fails
+#               if a greedy output differs
 #   serve       the real 0.5B weights (as `real`): the openai client suite
 #               (crates/cli/tests/serve_openai.py) against `qwen-mk serve` on
 #               both drivers, with the wheels carried in bin.tar.xz; then
@@ -67,7 +74,7 @@ CARRY=${CARRY:-$ROOT/.carry/gpu}
 # GPU test programs: package:test-target.
 TEST_PROGRAMS=${TEST_PROGRAMS:-"qmk-gpu-tests:gpu qmk-gpu-tests:long_context qmk-gpu-tests:prefill
   qmk-gpu-tests:faults qmk-gpu-tests:endurance qmk-gpu-tests:scale qmk-gpu-tests:checksums
-  qmk-gpu-tests:real_weights"}
+  qmk-gpu-tests:real_weights qmk-gpu-tests:speculative"}
 
 if [[ ${1:-} == build ]]; then
   set -e
@@ -161,7 +168,9 @@ for line in open(sys.argv[1]):
     if not line.startswith("{"): continue
     o = json.loads(line)
     keys = ["tok_per_s", "us_per_step", "pct_of_floor", "prefill_ms", "ttft_ms", "median_ms", "context",
-            "upload_gbps", "upload_read_s", "upload_wait_s", "compile_s"]
+            "upload_gbps", "upload_read_s", "upload_wait_s", "compile_s", "plain_tok_per_s",
+            "speculative_tok_per_s", "speedup", "acceptance", "tokens_per_step", "identical"]
+    if "name" in o and "summary" not in o: continue
     if o.get("peak_rss_bytes"): o["peak_rss_gib"] = o["peak_rss_bytes"] / 2**30; keys.append("peak_rss_gib")
     out.append(" ".join(f"{k}={o[k]:.4g}" if isinstance(o[k], float) else f"{k}={o[k]}" for k in keys if k in o))
 print(" | ".join(out)[:400])
@@ -255,6 +264,16 @@ for line in open(sys.argv[1]):
         print(f'    profile {k:<28} {v:8.1f} us')
 EOF
       ;;
+    speculate)
+      R=${QMK_REAL_QWEN:-/tmp/real-qwen/model}
+      [[ -f $R/config.json ]] || { note "FAIL speculate: no model at $R"; continue; }
+      P=$ROOT/benches/prompts/code-edit.jsonl
+      QMK_REAL_QWEN=$R run_tests test-speculative 400
+      for d in cudarc cust; do
+        bench "speculate-ngram-$d" qwen-mk --model "$R" --backend $d --prompts "$P" \
+          --speculate ngram --speculate-always
+      done
+      bench speculate-auto-cudarc qwen-mk --model "$R" --backend cudarc --prompts "$P" ;;
     real)
       R=${QMK_REAL_QWEN:-/tmp/real-qwen/model}
       [[ -f $R/config.json ]] || { note "FAIL real: no model at $R"; continue; }

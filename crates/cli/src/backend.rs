@@ -2,7 +2,7 @@
 //! (CPU reference, cudarc, cust), plus an optional tap that records the top
 //! log-probabilities of every generated position (`--top-logprobs`).
 
-use qmk_engine::{Backend, BackendKind, StepOutput};
+use qmk_engine::{Backend, BackendKind, MultiStep, MultiStepOutput, StepOutput};
 
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -12,6 +12,8 @@ trait ErasedBackend {
     fn capacity(&self) -> usize;
     fn step(&mut self, token: u32, pos: usize) -> Result<StepOutput, BoxError>;
     fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<StepOutput, BoxError>;
+    fn step_many(&mut self, run: MultiStep<'_>) -> Result<MultiStepOutput, BoxError>;
+    fn step_many_position_cost(&self) -> f64;
     fn logits(&mut self) -> Result<Vec<f32>, BoxError>;
     fn reset(&mut self) -> Result<(), BoxError>;
 }
@@ -28,6 +30,12 @@ impl<B: Backend> ErasedBackend for B {
     }
     fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<StepOutput, BoxError> {
         Backend::prefill(self, tokens, start).map_err(|e| Box::new(e) as BoxError)
+    }
+    fn step_many(&mut self, run: MultiStep<'_>) -> Result<MultiStepOutput, BoxError> {
+        Backend::step_many(self, run).map_err(|e| Box::new(e) as BoxError)
+    }
+    fn step_many_position_cost(&self) -> f64 {
+        Backend::step_many_position_cost(self)
     }
     fn logits(&mut self) -> Result<Vec<f32>, BoxError> {
         Backend::logits(self).map_err(|e| Box::new(e) as BoxError)
@@ -60,17 +68,30 @@ struct Tap {
     k: usize,
     /// Logits of positions `>= from_pos` predict generated tokens.
     from_pos: usize,
+    /// Entry `i` is position `from_pos + i`'s: a position fed again (a
+    /// rejected speculative guess rewritten) replaces its entry and drops
+    /// the later ones.
     records: TopLogprobs,
+}
+
+impl Tap {
+    /// Records `logits` as position `pos`'s, when it picks a generated token.
+    fn record(&mut self, pos: usize, logits: &[f32]) {
+        if let Some(i) = pos.checked_sub(self.from_pos) {
+            self.records.truncate(i);
+            self.records.push(top_logprobs(logits, self.k));
+        }
+    }
 }
 
 /// Any backend, erased, with an optional top-logprobs tap.
 pub struct AnyBackend {
-    inner: Box<dyn ErasedBackend>,
+    inner: Box<dyn ErasedBackend + Send>,
     tap: Option<Tap>,
 }
 
 impl AnyBackend {
-    pub fn new<B: Backend + 'static>(backend: B) -> Self {
+    pub fn new<B: Backend + Send + 'static>(backend: B) -> Self {
         AnyBackend {
             inner: Box::new(backend),
             tap: None,
@@ -88,7 +109,9 @@ impl AnyBackend {
         });
     }
 
-    /// What the tap recorded, one entry per generated token.
+    /// What the tap recorded, one entry per position that picked a token
+    /// (a speculative run may leave entries past the last generated token:
+    /// keep as many as there are output tokens).
     pub fn take_top_logprobs(&mut self) -> TopLogprobs {
         self.tap
             .as_mut()
@@ -103,7 +126,7 @@ impl AnyBackend {
         if let Some(tap) = self.tap.as_mut() {
             if pos >= tap.from_pos {
                 let logits = self.inner.logits().map_err(AnyError)?;
-                tap.records.push(top_logprobs(&logits, tap.k));
+                tap.record(pos, &logits);
             }
         }
         Ok(())
@@ -130,6 +153,28 @@ impl Backend for AnyBackend {
             self.tap_after(last)?;
         }
         Ok(out)
+    }
+    fn step_many(&mut self, run: MultiStep<'_>) -> Result<MultiStepOutput, AnyError> {
+        let Some(tap) = self.tap.as_mut() else {
+            return self.inner.step_many(run).map_err(AnyError);
+        };
+        // The tap needs every position's logits.
+        let mut out = self
+            .inner
+            .step_many(run.with_logits(true))
+            .map_err(AnyError)?;
+        for i in 0..run.len() {
+            if let Some(logits) = out.logits_at(i) {
+                tap.record(run.start() + i, logits);
+            }
+        }
+        if !run.wants_logits() {
+            out.logits = Vec::new();
+        }
+        Ok(out)
+    }
+    fn step_many_position_cost(&self) -> f64 {
+        self.inner.step_many_position_cost()
     }
     fn logits(&mut self) -> Result<Vec<f32>, AnyError> {
         self.inner.logits().map_err(AnyError)

@@ -7,6 +7,10 @@
 //! kernel compile time and the process's peak resident memory (VmHWM).
 //! The weights are generated piece by piece into the upload's pinned
 //! buffers, or read from a checkpoint directory (`--model`).
+//!
+//! `--prompts FILE` instead decodes a real model's prompts plainly and
+//! with speculation (`--speculate`, `--draft-model`) and compares the two
+//! ([`crate::spec_bench`]).
 
 use std::path::PathBuf;
 
@@ -19,7 +23,7 @@ use qmk_gpu::{
 };
 use qmk_model::{CheckpointSource, Config, SyntheticSource};
 
-use crate::common::{whole, MAX_POSITIONS};
+use crate::common::{whole, BackendChoice, SpeculateArgs, SpeculateChoice, MAX_POSITIONS};
 use crate::output::{eprint_line, print, usage};
 
 /// Most values a list flag (`--context`, `--ab`) may hold.
@@ -123,11 +127,33 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 4, allow_negative_numbers = true,
           value_parser = whole::<usize>(1..=MAX_REPS))]
     ab_rounds: usize,
+    /// Plain against speculative greedy decoding of --model (Hub id or
+    /// directory) on the prompts of this file, one JSON object per line:
+    /// {"name": ..., "messages": [{"role": "user", "content": ...}]} or
+    /// {"name": ..., "prompt": raw text} (e.g. benches/prompts/code-edit.jsonl).
+    /// Reports both decode rates, the acceptance and tokens per step, and
+    /// fails when the outputs differ. --backend may be cpu here.
+    #[arg(long, value_name = "FILE", requires = "model")]
+    prompts: Option<PathBuf>,
+    /// With --prompts: most tokens generated per prompt.
+    #[arg(long, value_name = "N", default_value_t = 256, allow_negative_numbers = true,
+          value_parser = whole::<usize>(1..=MAX_STEPS))]
+    max_new_tokens: usize,
+    #[command(flatten)]
+    speculate: SpeculateArgs,
 }
 
 impl BenchArgs {
-    /// What the parser cannot check on one value: the lengths of the lists.
+    /// What the parser cannot check on one value: the lengths of the lists,
+    /// speculation flags without --prompts.
     fn check(&self) -> Result<()> {
+        let speculating = self.speculate.speculate != SpeculateChoice::Auto
+            || self.speculate.draft_model.is_some();
+        if speculating && self.prompts.is_none() {
+            return Err(usage(
+                "--speculate and --draft-model need --prompts (the synthetic bench times single steps)",
+            ));
+        }
         for (flag, n) in [("--context", self.context.len()), ("--ab", self.ab.len())] {
             if n > MAX_LIST {
                 return Err(usage(format!(
@@ -206,6 +232,30 @@ fn bench_options(a: &BenchArgs, context: usize, stream_bytes: u64) -> BenchOptio
 
 pub fn run(a: BenchArgs) -> Result<()> {
     a.check()?;
+    if let Some(prompts) = &a.prompts {
+        let backend = match a.backend.as_str() {
+            "cpu" => BackendChoice::Cpu,
+            "cudarc" => BackendChoice::Cudarc,
+            "cust" => BackendChoice::Cust,
+            "auto" => BackendChoice::Auto,
+            other => bail!(
+                "bench --prompts supports --backend auto, cpu, cudarc or cust (got `{other}`)"
+            ),
+        };
+        let model = a
+            .model
+            .as_ref()
+            .expect("clap requires --model with --prompts");
+        return crate::spec_bench::run(crate::spec_bench::SpecBench {
+            model: &model.to_string_lossy(),
+            backend,
+            prompts,
+            speculate: a.speculate.clone(),
+            max_new_tokens: a.max_new_tokens,
+            cubin: a.cubin.clone(),
+            json: a.json,
+        });
+    }
     let cust = match a.backend.as_str() {
         "cudarc" => false,
         "cust" if cfg!(feature = "cust") => true,

@@ -20,8 +20,8 @@ use qmk_engine::{Backend, Engine, StopReason, TextStream};
 use qmk_model::chat::Message;
 
 use crate::common::{
-    choose_target, engine_error, open_backend, session_context, stats_line, Model, ModelArgs,
-    RunArgs, SamplingArgs, MAX_STDIN_BYTES,
+    choose_target, engine_error, open_backend, session_context, stats_line, with_draft, Model,
+    ModelArgs, RunArgs, SamplingArgs, SpeculateArgs, MAX_STDIN_BYTES,
 };
 use crate::output::{eprint_line, stdout_error};
 use crate::ui::Ui;
@@ -48,6 +48,9 @@ pub struct ChatArgs {
 
     #[command(flatten)]
     pub sampling: SamplingArgs,
+
+    #[command(flatten)]
+    pub speculate: SpeculateArgs,
 
     #[command(flatten)]
     pub run: RunArgs,
@@ -107,18 +110,24 @@ impl Interrupt {
 pub fn run(args: ChatArgs) -> Result<()> {
     let ui = Ui::new(args.run.quiet);
     args.sampling.check()?;
+    args.speculate.check()?;
     let target = choose_target(args.run.backend, &ui)?;
     let model = Model::open(&args.model, &ui)?;
     let template = model.chat_template()?;
     let capacity = session_context(&model.config, args.run.context)?;
     // One seed for the session: each reply is reproducible with it.
-    let base_opts = args.sampling.options(&model)?;
+    let mut base_opts = args.sampling.options(&model)?;
+    base_opts.speculation = args.speculate.options();
     let stops = args.sampling.stop_matcher()?;
+    // The draft model first: a GPU target may then take the memory left.
+    let draft = args
+        .speculate
+        .open_draft(&model, &target, &args.run, capacity, &ui)?;
     let backend = open_backend(&model, target, &args.run, capacity, &ui)?;
     // A GPU backend without --context takes the largest context that fits.
     let capacity = backend.capacity();
     let backend_name = backend.kind().name();
-    let mut engine = Engine::new(backend, model.config.vocab_size);
+    let mut engine = with_draft(Engine::new(backend, model.config.vocab_size), draft);
     let interrupt = Interrupt::install()?;
 
     let interactive = std::io::stdin().is_terminal();

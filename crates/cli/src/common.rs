@@ -9,9 +9,10 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::builder::TypedValueParser;
 use clap::{Args, ValueEnum};
+use qmk_engine::draft::{DraftModel, ModelVocab};
 use qmk_engine::{
-    Backend, BackendKind, EngineError, GenerateOptions, Generation, SamplingDefaults,
-    SamplingRequest, StopMatcher,
+    Backend, BackendKind, Engine, EngineError, GenerateOptions, Generation, SamplingDefaults,
+    SamplingRequest, SpeculateMode, SpeculativeOptions, SpeculativeStats, StopMatcher,
 };
 use qmk_model::chat::{ChatTemplate, Message};
 use qmk_model::config::GenerationConfig;
@@ -209,6 +210,151 @@ pub struct SamplingArgs {
     pub ignore_eos: bool,
 }
 
+/// `--speculate` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SpeculateChoice {
+    /// Greedy decoding speculates (with --draft-model when given, else
+    /// prompt lookup) while acceptance pays; sampling runs plain steps.
+    Auto,
+    /// Prompt lookup: guesses copied from the prompt and the output so far.
+    Ngram,
+    /// Guesses from --draft-model.
+    Draft,
+    /// No speculation.
+    Off,
+}
+
+impl SpeculateChoice {
+    /// The engine's mode.
+    pub fn mode(self) -> SpeculateMode {
+        match self {
+            SpeculateChoice::Auto => SpeculateMode::Auto,
+            SpeculateChoice::Ngram => SpeculateMode::Ngram,
+            SpeculateChoice::Draft => SpeculateMode::Draft,
+            SpeculateChoice::Off => SpeculateMode::Off,
+        }
+    }
+}
+
+/// Speculative decoding: guesses checked several at a time in one step of
+/// the model. Greedy output is the same with or without it; sampled output
+/// has the same distribution, but a fixed --seed gives other tokens.
+#[derive(Debug, Clone, Args)]
+pub struct SpeculateArgs {
+    /// Where guesses come from: auto (the default: greedy decoding
+    /// speculates with --draft-model when given, else with prompt lookup,
+    /// and runs plain steps while the guesses are too often wrong to pay;
+    /// sampling runs plain), ngram (prompt lookup), draft (--draft-model),
+    /// off.
+    #[arg(long, value_enum, default_value_t = SpeculateChoice::Auto)]
+    pub speculate: SpeculateChoice,
+
+    /// A smaller model of the same vocabulary that drafts the guesses (e.g.
+    /// Qwen/Qwen2.5-0.5B-Instruct for a larger Qwen2.5): Hub id or local
+    /// directory, as --model.
+    #[arg(long, value_name = "HUB_ID|DIR")]
+    pub draft_model: Option<String>,
+
+    /// Branch, tag or commit of a Hub --draft-model.
+    #[arg(long, default_value = "main", value_parser = revision, requires = "draft_model")]
+    pub draft_revision: String,
+
+    /// Verify the most guesses (7) at every step, however often they are
+    /// wrong, instead of weighing acceptance against cost: for
+    /// measurements and tests.
+    #[arg(long)]
+    pub speculate_always: bool,
+}
+
+impl SpeculateArgs {
+    /// Checks the flags against each other before anything is loaded.
+    pub fn check(&self) -> Result<()> {
+        if self.speculate == SpeculateChoice::Draft && self.draft_model.is_none() {
+            return Err(usage("--speculate draft needs --draft-model"));
+        }
+        if self.draft_model.is_some()
+            && matches!(
+                self.speculate,
+                SpeculateChoice::Ngram | SpeculateChoice::Off
+            )
+        {
+            return Err(usage(format!(
+                "--draft-model is unused with --speculate {}",
+                if self.speculate == SpeculateChoice::Ngram {
+                    "ngram"
+                } else {
+                    "off"
+                }
+            )));
+        }
+        Ok(())
+    }
+
+    /// The engine's speculation options.
+    pub fn options(&self) -> SpeculativeOptions {
+        SpeculativeOptions {
+            mode: self.speculate.mode(),
+            adaptive: !self.speculate_always,
+            ..SpeculativeOptions::default()
+        }
+    }
+
+    /// Opens the draft model, when one is given, next to `target`: its
+    /// files, its vocabulary checked against the target's, its weights on
+    /// the same kind of backend with a KV cache of `capacity` positions.
+    pub fn open_draft(
+        &self,
+        target: &Model,
+        on: &Target,
+        run: &RunArgs,
+        capacity: usize,
+        ui: &Ui,
+    ) -> Result<Option<DraftModel<AnyBackend>>> {
+        let Some(spec) = &self.draft_model else {
+            return Ok(None);
+        };
+        let args = ModelArgs {
+            model: spec.clone(),
+            revision: self.draft_revision.clone(),
+        };
+        let draft = Model::open(&args, ui).context("--draft-model")?;
+        fn vocab(m: &Model) -> ModelVocab<'_> {
+            ModelVocab {
+                name: &m.name,
+                tokenizer: &m.tokenizer,
+                rows: m.config.vocab_size,
+            }
+        }
+        // Refused before any weights are read.
+        qmk_engine::draft::check_vocabularies(vocab(&draft), vocab(target))
+            .map_err(engine_error)?;
+        let cost = qmk_engine::draft::relative_cost(&draft.config, &target.config)
+            .map_err(engine_error)?;
+        let run = RunArgs {
+            context: Some(capacity),
+            ..run.clone()
+        };
+        let backend =
+            open_backend(&draft, on.clone(), &run, capacity, ui).context("--draft-model")?;
+        let model =
+            DraftModel::new(backend, vocab(&draft), vocab(target), cost).map_err(engine_error)?;
+        ui.note(format!(
+            "drafting with {} (a guess costs {:.3} of a step of {})",
+            draft.name, cost, target.name
+        ));
+        Ok(Some(model))
+    }
+}
+
+/// Sets the draft model of `engine`, if there is one.
+pub fn with_draft(
+    mut engine: Engine<AnyBackend>,
+    draft: Option<DraftModel<AnyBackend>>,
+) -> Engine<AnyBackend> {
+    engine.set_drafter(draft.map(|d| Box::new(d) as Box<dyn qmk_engine::draft::Drafter + Send>));
+    engine
+}
+
 /// The parser of `--stop`: non-empty and at most the engine's length.
 fn stop_string(s: &str) -> std::result::Result<String, String> {
     if s.is_empty() {
@@ -273,6 +419,7 @@ impl SamplingArgs {
             sampling: self.request().resolve(&defaults).map_err(engine_error)?,
             stop_ids: model.stop_ids(),
             ignore_eos: self.ignore_eos,
+            speculation: SpeculativeOptions::default(),
         })
     }
 }
@@ -513,6 +660,7 @@ pub fn check_cpu_memory(config: &Config, capacity: usize) -> Result<()> {
 
 /// The backend `choice` resolves to here, before weights are loaded: a GPU
 /// (with its description) or the CPU. Explicit GPU choices fail without one.
+#[derive(Clone)]
 pub enum Target {
     Cpu,
     Gpu(BackendKind, gpu::GpuInfo),
@@ -639,6 +787,19 @@ pub fn engine_error(e: EngineError) -> anyhow::Error {
     }
 }
 
+/// What speculation did, for `--json`.
+pub fn speculation_json(s: &SpeculativeStats) -> serde_json::Value {
+    serde_json::json!({
+        "mode": s.mode.name(),
+        "proposed": s.proposed,
+        "accepted": s.accepted,
+        "acceptance": s.acceptance(),
+        "steps": s.steps,
+        "verify_steps": s.verifies,
+        "tokens_per_step": s.tokens_per_step(),
+    })
+}
+
 /// The closing stats line; `seed` when the tokens were sampled (so the
 /// run can be repeated with `--seed`).
 pub fn stats_line(g: &Generation, backend: &str, seed: Option<u64>) -> String {
@@ -649,8 +810,22 @@ pub fn stats_line(g: &Generation, backend: &str, seed: Option<u64>) -> String {
         g.prompt_ids.len() as f64 / g.prefill.as_secs_f64()
     };
     let sampled = seed.map_or(String::new(), |s| format!("; sampled with --seed {s}"));
+    let s = &g.speculation;
+    let speculated = if s.mode == SpeculateMode::Off {
+        String::new()
+    } else {
+        format!(
+            "; speculation {}: {} of {} guesses accepted, {:.2} tokens/step over {} steps ({} verifies)",
+            s.mode.name(),
+            s.accepted,
+            s.proposed,
+            s.tokens_per_step(),
+            s.steps,
+            s.verifies
+        )
+    };
     format!(
-        "[{backend}] prompt {} tokens, prefill {:.1} ms ({:.1} tok/s); generated {} tokens, decode {:.2} tok/s{sampled}",
+        "[{backend}] prompt {} tokens, prefill {:.1} ms ({:.1} tok/s); generated {} tokens, decode {:.2} tok/s{speculated}{sampled}",
         g.prompt_ids.len(),
         ms(g.prefill),
         prefill_rate,

@@ -9,8 +9,9 @@ use qmk_engine::{Backend, Engine, TextStream};
 use qmk_model::chat::Message;
 
 use crate::common::{
-    choose_target, engine_error, fit_request, open_backend, plan_context, stats_line, whole, Model,
-    ModelArgs, RunArgs, SamplingArgs, MAX_STDIN_BYTES, MAX_TOP_LOGPROBS,
+    choose_target, engine_error, fit_request, open_backend, plan_context, speculation_json,
+    stats_line, whole, with_draft, Model, ModelArgs, RunArgs, SamplingArgs, SpeculateArgs,
+    MAX_STDIN_BYTES, MAX_TOP_LOGPROBS,
 };
 use crate::output::{eprint_line, stdout_error};
 use crate::ui::Ui;
@@ -37,11 +38,16 @@ pub struct GenerateArgs {
     pub sampling: SamplingArgs,
 
     #[command(flatten)]
+    pub speculate: SpeculateArgs,
+
+    #[command(flatten)]
     pub run: RunArgs,
 
     /// Print one JSON object instead of streaming text: model, backend,
     /// prompt_ids, output_ids, text, stop, stop_string, sampling (the
-    /// values used, seed included), prefill_ms, decode_tok_per_s.
+    /// values used, seed included), prefill_ms, decode_tok_per_s,
+    /// speculation (mode, proposed, accepted, acceptance, steps,
+    /// verify_steps, tokens_per_step).
     #[arg(long)]
     pub json: bool,
 
@@ -60,6 +66,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         bail!("empty prompt: give some text with --prompt");
     }
     args.sampling.check()?;
+    args.speculate.check()?;
     let target = choose_target(args.run.backend, &ui)?;
 
     let model = Model::open(&args.model, &ui)?;
@@ -85,10 +92,15 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         &ui,
     )?;
     let mut opts = args.sampling.options(&model)?;
+    opts.speculation = args.speculate.options();
     if opts.stop_ids.is_empty() && !opts.ignore_eos {
         ui.note("note: the model names no end-of-text token; generating until --max-new-tokens");
     }
 
+    // The draft model first: a GPU target may then take the memory left.
+    let draft = args
+        .speculate
+        .open_draft(&model, &target, &args.run, capacity, &ui)?;
     let mut backend = open_backend(&model, target, &args.run, capacity, &ui)?;
     // A GPU backend may have picked a context other than `capacity` (the
     // largest that fits): the request must fit that one.
@@ -97,7 +109,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if args.top_logprobs > 0 {
         backend.record_top_logprobs(args.top_logprobs, prompt_ids.len());
     }
-    let mut engine = Engine::new(backend, model.config.vocab_size);
+    let mut engine = with_draft(Engine::new(backend, model.config.vocab_size), draft);
 
     let mut text = TextStream::new(&model.tokenizer, args.sampling.stop_matcher()?);
     let mut out = std::io::stdout().lock();
@@ -145,9 +157,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             },
             "prefill_ms": generation.prefill.as_secs_f64() * 1e3,
             "decode_tok_per_s": generation.decode_tok_per_s(),
+            "speculation": speculation_json(&generation.speculation),
         });
         if args.top_logprobs > 0 {
-            let top = engine.backend_mut().take_top_logprobs();
+            let mut top = engine.backend_mut().take_top_logprobs();
+            // A last verify may have looked past the last token.
+            top.truncate(generation.output_ids.len());
             obj["top_logprobs"] = serde_json::to_value(top)?;
         }
         line = obj.to_string();

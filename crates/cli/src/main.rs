@@ -15,6 +15,7 @@ mod hub;
 mod output;
 mod plan;
 mod serve;
+mod spec_bench;
 mod synth;
 mod ui;
 
@@ -47,7 +48,8 @@ enum Command {
     Download(download::DownloadArgs),
     /// Show every stacked weight tensor's layout and split plan.
     Plan(plan::PlanArgs),
-    /// Decode speed of the megakernel vs the bandwidth floor (synthetic weights).
+    /// Decode speed of the megakernel vs the bandwidth floor (synthetic
+    /// weights), or plain vs speculative decoding on given prompts (--prompts).
     Bench(bench::BenchArgs),
     /// Write the megakernel cubin for a model and GPU arch (for machines without NVRTC).
     Compile(compile::CompileArgs),

@@ -10,7 +10,8 @@ use qmk_engine::Engine;
 use qmk_server::{ModelInfo, Server, ServerConfig, DEFAULT_MAX_QUEUE};
 
 use crate::common::{
-    choose_target, open_backend, session_context, whole, Model, ModelArgs, RunArgs,
+    choose_target, open_backend, session_context, whole, with_draft, Model, ModelArgs, RunArgs,
+    SpeculateArgs,
 };
 use crate::ui::Ui;
 
@@ -42,6 +43,9 @@ pub struct ServeArgs {
           allow_negative_numbers = true, value_parser = whole::<usize>(1..=4096))]
     pub max_queue: usize,
 
+    #[command(flatten)]
+    pub speculate: SpeculateArgs,
+
     // --quiet also silences the per-request log lines.
     #[command(flatten)]
     pub run: RunArgs,
@@ -49,6 +53,7 @@ pub struct ServeArgs {
 
 pub fn run(args: ServeArgs) -> Result<()> {
     let ui = Ui::new(args.run.quiet);
+    args.speculate.check()?;
     let target = choose_target(args.run.backend, &ui)?;
     let model = Model::open(&args.model, &ui)?;
     let template = match model.chat_template() {
@@ -69,6 +74,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         stop_ids: model.stop_ids(),
         vocab_size: model.config.vocab_size,
         sampling: qmk_engine::SamplingDefaults::from_generation_config(&model.generation),
+        speculation: args.speculate.options(),
     };
     let config = ServerConfig {
         api_key: args.api_key.clone(),
@@ -77,10 +83,16 @@ pub fn run(args: ServeArgs) -> Result<()> {
         ..ServerConfig::default()
     };
     let run = args.run.clone();
+    let speculate = args.speculate.clone();
     // The engine is opened on its own thread: a GPU context stays there.
     let server = Server::start(info, config, move || {
+        // The draft model first: a GPU target may then take the memory left.
+        let draft = speculate.open_draft(&model, &target, &run, capacity, &ui)?;
         let backend = open_backend(&model, target, &run, capacity, &ui)?;
-        Ok(Engine::new(backend, model.config.vocab_size))
+        Ok(with_draft(
+            Engine::new(backend, model.config.vocab_size),
+            draft,
+        ))
     })?;
     ui.note(format!(
         "context: {} positions (prompt plus completion)",

@@ -14,9 +14,10 @@ use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Instant;
 
-use qmk_engine::draft::PromptLookup;
-use qmk_engine::speculative::{generate_greedy, SpeculativeOptions};
-use qmk_engine::{Backend, CpuBackend, Engine, GenerateOptions, MultiStep, MAX_STEP_TOKENS};
+use qmk_engine::{
+    Backend, CpuBackend, Engine, GenerateOptions, MultiStep, SpeculateMode, SpeculativeOptions,
+    MAX_STEP_TOKENS,
+};
 use qmk_model::chat::{ChatTemplate, Message};
 use qmk_model::tokenizer::Tokenizer;
 
@@ -79,37 +80,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let plain_opts = GenerateOptions {
             max_new_tokens: new_tokens,
             ignore_eos: true,
+            speculation: SpeculativeOptions::off(),
             ..GenerateOptions::default()
         };
         let plain = engine.generate(&prompt, &plain_opts, |_| ControlFlow::Continue(()))?;
-        let mut backend = engine.into_backend();
-        let opts = SpeculativeOptions {
-            max_new_tokens: new_tokens,
-            ..SpeculativeOptions::default()
-        };
-        // Timed from the first token on, as `decode_tok_per_s` is.
-        let mut first = None;
-        let spec = generate_greedy(
-            &mut backend,
-            &mut PromptLookup::default(),
-            &prompt,
-            &opts,
-            |_| {
-                first.get_or_insert_with(Instant::now);
-                ControlFlow::Continue(())
+        let opts = GenerateOptions {
+            speculation: SpeculativeOptions {
+                mode: SpeculateMode::Ngram,
+                ..SpeculativeOptions::default()
             },
-        )?;
-        let spec_s = first.map_or(0.0, |t| t.elapsed().as_secs_f64());
-        let spec_rate = (spec.output_ids.len() - 1) as f64 / spec_s;
+            ..plain_opts
+        };
+        let spec = engine.generate(&prompt, &opts, |_| ControlFlow::Continue(()))?;
+        let spec_rate = spec.decode_tok_per_s();
         println!(
             "\n{ask}\n  prompt {} tokens, {new_tokens} new; plain {:.2} tok/s, speculative {spec_rate:.2} tok/s ({:.2}x); same output: {}\n  {:?}, {:.2} tokens/step, acceptance {:.2}",
             prompt.len(),
             plain.decode_tok_per_s(),
             spec_rate / plain.decode_tok_per_s(),
             spec.output_ids == plain.output_ids,
-            spec.stats,
-            spec.stats.tokens_per_step(),
-            spec.stats.acceptance(),
+            spec.speculation,
+            spec.speculation.tokens_per_step(),
+            spec.speculation.acceptance(),
         );
     }
     Ok(())

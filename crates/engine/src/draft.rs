@@ -6,10 +6,18 @@
 //! earlier occurrence of the history's last n tokens (the prompt and the
 //! output so far) and proposes what followed it. Strong where the output
 //! copies its input: code edits, summaries, chat about a given text.
+//!
+//! [`DraftModel`] drafts with a second, smaller model of the same
+//! vocabulary (Qwen2.5-0.5B for any larger Qwen2.5), on a backend of its
+//! own.
 
 use std::collections::HashMap;
 
-use crate::EngineError;
+use qmk_model::tokenizer::Tokenizer;
+
+use crate::sampling::{apply_penalties, candidates, Rng, Sampling, TokenHistory};
+use crate::speculative::draw;
+use crate::{Backend, EngineError, MultiStep, MAX_STEP_TOKENS};
 
 /// Something that guesses the tokens that follow a growing history.
 ///
@@ -23,7 +31,35 @@ pub trait Drafter {
     fn extend(&mut self, tokens: &[u32]);
     /// Writes up to `max` guesses for the tokens after the history into
     /// `out` (cleared first); none when it has no guess.
-    fn draft(&mut self, max: usize, out: &mut Vec<u32>);
+    fn draft(&mut self, max: usize, out: &mut Vec<u32>) -> Result<(), EngineError>;
+
+    /// The guesses for sampled decoding: like [`Drafter::draft`], and, for
+    /// a drafter that samples its guesses, the distribution `[(id,
+    /// probability)]` each guess was drawn from in `dists` (one per guess;
+    /// `history` holds the ids the penalties look at, `rng` is the
+    /// generation's generator). Left empty, the guesses are deterministic
+    /// (a one-hot distribution each): the default, which calls
+    /// [`Drafter::draft`].
+    fn draft_sampled(
+        &mut self,
+        max: usize,
+        sampling: &Sampling,
+        history: &TokenHistory,
+        rng: &mut Rng,
+        out: &mut Vec<u32>,
+        dists: &mut Vec<Vec<(u32, f64)>>,
+    ) -> Result<(), EngineError> {
+        let _ = (sampling, history, rng);
+        dists.clear();
+        self.draft(max, out)
+    }
+
+    /// What drafting one token costs, as a fraction of one of the target
+    /// model's single steps: what the adaptive rule adds to a verify's cost
+    /// per guess ([`crate::speculative`]). 0 by default (free guesses).
+    fn cost_per_token(&self) -> f64 {
+        0.0
+    }
 }
 
 /// Longest n-gram [`PromptLookup`] can match.
@@ -136,11 +172,11 @@ impl Drafter for PromptLookup {
         }
     }
 
-    fn draft(&mut self, max: usize, out: &mut Vec<u32>) {
+    fn draft(&mut self, max: usize, out: &mut Vec<u32>) -> Result<(), EngineError> {
         out.clear();
         let l = self.history.len();
         if max == 0 {
-            return;
+            return Ok(());
         }
         for n in (self.ngram_min..=self.ngram_max.min(l)).rev() {
             self.work += n as u64;
@@ -157,8 +193,261 @@ impl Drafter for PromptLookup {
                 out.push(t);
             }
             self.work += max as u64;
-            return;
+            return Ok(());
         }
+        Ok(())
+    }
+}
+
+/// A model's name, tokenizer and logits rows, for
+/// [`DraftModel::new`]'s vocabulary check.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelVocab<'a> {
+    /// The model's name in messages (`--model` as given).
+    pub name: &'a str,
+    /// Its tokenizer.
+    pub tokenizer: &'a Tokenizer,
+    /// Rows of its embedding and logits (`vocab_size` in config.json): the
+    /// ids it can produce are `0..rows`.
+    pub rows: usize,
+}
+
+/// Drafting with a second model on a backend of its own: its greedy picks
+/// (greedy decoding), or tokens drawn from its own processed distribution
+/// (sampling, which then accepts each by the rejection rule).
+///
+/// Its KV cache follows the accepted tokens: a draft first feeds the
+/// tokens accepted since the last one that it has not already fed (its own
+/// guesses that held are in the cache already), from the first position
+/// where the cache and the history differ, so a rejected guess's position
+/// is simply rewritten. Drafting stops at the end of its cache.
+pub struct DraftModel<B: Backend> {
+    backend: B,
+    cost: f64,
+    /// Prompt and accepted output so far.
+    history: Vec<u32>,
+    /// What positions `0..fed.len()` of the cache hold.
+    fed: Vec<u32>,
+    /// The cache must be reset before the next feed.
+    stale: bool,
+}
+
+/// Checks that a draft model's vocabulary agrees with the target's on
+/// every id the draft can produce (see [`DraftModel::new`]); the error names
+/// both models and the first difference.
+pub fn check_vocabularies(
+    draft: ModelVocab<'_>,
+    target: ModelVocab<'_>,
+) -> Result<(), EngineError> {
+    let refuse = |reason: String| EngineError::DraftVocabulary {
+        draft: draft.name.to_string(),
+        target: target.name.to_string(),
+        reason,
+    };
+    if draft.rows > target.rows {
+        return Err(refuse(format!(
+            "the draft produces ids up to {} but the target's vocabulary has {} rows",
+            draft.rows - 1,
+            target.rows
+        )));
+    }
+    for id in 0..draft.rows as u32 {
+        let (d, t) = (
+            draft.tokenizer.id_to_token(id),
+            target.tokenizer.id_to_token(id),
+        );
+        if d != t {
+            let show = |x: Option<String>| x.map_or("no token".into(), |s| format!("{s:?}"));
+            return Err(refuse(format!(
+                "id {id} is {} in the draft's tokenizer but {} in the target's",
+                show(d),
+                show(t)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The cost of a draft step relative to a target step when both are bound
+/// by reading their weights (batch-1 decoding): the ratio of their weight
+/// bytes.
+pub fn relative_cost(
+    draft: &qmk_model::Config,
+    target: &qmk_model::Config,
+) -> Result<f64, EngineError> {
+    let bytes = |c: &qmk_model::Config| {
+        qmk_model::inventory::weight_bytes(c)
+            .map(|b| b.total.0 as f64)
+            .map_err(|e| EngineError::InvalidSpeculation {
+                field: "draft model",
+                reason: e.to_string(),
+            })
+    };
+    Ok(bytes(draft)? / bytes(target)?.max(1.0))
+}
+
+impl<B: Backend> DraftModel<B> {
+    /// A drafter running `draft`'s model on `backend` for `target`'s model,
+    /// each guess costing `cost` of one of the target's single steps
+    /// ([`relative_cost`] estimates it).
+    ///
+    /// The vocabularies must agree on every id the draft can produce: the
+    /// draft's rows may be fewer than the target's (Qwen2.5-0.5B pads its
+    /// vocabulary to 151,936 rows, 7B and larger to 152,064), and the two
+    /// tokenizers must map each of those ids to the same token. Anything
+    /// else is an [`EngineError::DraftVocabulary`] naming both models.
+    pub fn new(
+        backend: B,
+        draft: ModelVocab<'_>,
+        target: ModelVocab<'_>,
+        cost: f64,
+    ) -> Result<Self, EngineError> {
+        check_vocabularies(draft, target)?;
+        if !(cost.is_finite() && cost >= 0.0) {
+            return Err(EngineError::InvalidSpeculation {
+                field: "draft cost",
+                reason: format!("{cost} (must be finite and >= 0)"),
+            });
+        }
+        Ok(Self {
+            backend,
+            cost,
+            history: Vec::new(),
+            fed: Vec::new(),
+            stale: true,
+        })
+    }
+
+    /// The draft model's backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    fn err(&self, e: B::Error) -> EngineError {
+        EngineError::Backend {
+            backend: self.backend.kind().name(),
+            source: Box::new(e),
+        }
+    }
+
+    /// Brings the cache up to the history; returns the greedy pick after
+    /// it, or `None` when the history does not fit the cache.
+    fn catch_up(&mut self) -> Result<Option<u32>, EngineError> {
+        let n = self.history.len();
+        if n == 0 || n > self.backend.capacity() {
+            return Ok(None);
+        }
+        if self.stale {
+            self.backend.reset().map_err(|e| self.err(e))?;
+            self.fed.clear();
+            self.stale = false;
+        }
+        // The last history token is fed again when nothing else is new:
+        // its logits are the ones wanted.
+        let same = self
+            .fed
+            .iter()
+            .zip(&self.history)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(n - 1);
+        self.fed.truncate(same);
+        let tail = &self.history[same..];
+        let capacity = self.backend.capacity();
+        let pick = if tail.len() <= MAX_STEP_TOKENS {
+            // Bit-identical to single steps (the backend contract), so a
+            // model drafting for itself guesses exactly its own picks.
+            let run = MultiStep::new(tail, same, capacity)?;
+            let out = self.backend.step_many(run);
+            *out.map_err(|e| self.err(e))?
+                .argmax
+                .last()
+                .expect("a run holds a token")
+        } else {
+            let out = self.backend.prefill(tail, same);
+            out.map_err(|e| self.err(e))?.argmax
+        };
+        self.fed.extend_from_slice(tail);
+        Ok(Some(pick))
+    }
+
+    /// Feeds a guess at the next position; false when the cache is full.
+    fn feed(&mut self, token: u32) -> Result<Option<u32>, EngineError> {
+        let pos = self.fed.len();
+        if pos >= self.backend.capacity() {
+            return Ok(None);
+        }
+        let out = self.backend.step(token, pos).map_err(|e| self.err(e))?;
+        self.fed.push(token);
+        Ok(Some(out.argmax))
+    }
+}
+
+impl<B: Backend> Drafter for DraftModel<B> {
+    fn reset(&mut self) {
+        self.history.clear();
+        self.stale = true;
+    }
+
+    fn extend(&mut self, tokens: &[u32]) {
+        self.history.extend_from_slice(tokens);
+    }
+
+    fn draft(&mut self, max: usize, out: &mut Vec<u32>) -> Result<(), EngineError> {
+        out.clear();
+        if max == 0 {
+            return Ok(());
+        }
+        let Some(mut pick) = self.catch_up()? else {
+            return Ok(());
+        };
+        out.push(pick);
+        while out.len() < max {
+            match self.feed(pick)? {
+                Some(next) => pick = next,
+                None => break,
+            }
+            out.push(pick);
+        }
+        Ok(())
+    }
+
+    fn draft_sampled(
+        &mut self,
+        max: usize,
+        sampling: &Sampling,
+        history: &TokenHistory,
+        rng: &mut Rng,
+        out: &mut Vec<u32>,
+        dists: &mut Vec<Vec<(u32, f64)>>,
+    ) -> Result<(), EngineError> {
+        out.clear();
+        dists.clear();
+        if max == 0 || self.catch_up()?.is_none() {
+            return Ok(());
+        }
+        let mut h = history.clone();
+        loop {
+            let mut logits = self.backend.logits().map_err(|e| self.err(e))?;
+            apply_penalties(&mut logits, sampling, &h);
+            let q = candidates(&logits, sampling);
+            let Some(x) = draw(&q, rng) else {
+                break;
+            };
+            out.push(x);
+            dists.push(q);
+            if sampling.has_penalty() {
+                h.push(x);
+            }
+            if out.len() == max || self.feed(x)?.is_none() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn cost_per_token(&self) -> f64 {
+        self.cost
     }
 }
 
@@ -170,7 +459,7 @@ mod tests {
         let mut d = PromptLookup::default();
         d.extend(history);
         let mut out = vec![99];
-        d.draft(max, &mut out);
+        d.draft(max, &mut out).unwrap();
         out
     }
 
@@ -203,7 +492,7 @@ mod tests {
         let mut d = PromptLookup::new(2, 3).unwrap();
         d.extend(&[1, 2, 3, 4, 3]);
         let mut out = vec![];
-        d.draft(4, &mut out);
+        d.draft(4, &mut out).unwrap();
         assert!(out.is_empty());
     }
 
@@ -228,13 +517,13 @@ mod tests {
         d.extend(&[1, 2, 3]);
         d.extend(&[9]);
         d.extend(&[1, 2]);
-        d.draft(2, &mut out);
+        d.draft(2, &mut out).unwrap();
         assert_eq!(out, vec![3, 9]);
         assert_eq!(d.history(), &[1, 2, 3, 9, 1, 2]);
         d.reset();
         assert!(d.history().is_empty());
         d.extend(&[1, 2]);
-        d.draft(2, &mut out);
+        d.draft(2, &mut out).unwrap();
         assert!(out.is_empty(), "the old history leaked: {out:?}");
     }
 
@@ -267,7 +556,7 @@ mod tests {
                 (i % 37) as u32
             };
             d.extend(&[t]);
-            d.draft(max as usize, &mut out);
+            d.draft(max as usize, &mut out).unwrap();
             accepted += u64::from(out.first() == Some(&(((i + 1) % 37) as u32)));
         }
         // Per token: inserts of n = 1..=4 (10 ids); per draft: lookups of
@@ -279,5 +568,156 @@ mod tests {
             accepted > tokens / 2,
             "{accepted} of {tokens} first guesses right"
         );
+    }
+
+    fn fixture_dir() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/data/qwen-tokenizer")
+    }
+
+    #[test]
+    fn vocabularies_must_agree_on_every_id_the_draft_produces() {
+        let tok = Tokenizer::from_dir(fixture_dir()).unwrap();
+        let vocab = |name, tokenizer, rows| ModelVocab {
+            name,
+            tokenizer,
+            rows,
+        };
+        // 0.5B pads to 151,936 rows, 7B and up to 152,064: fine.
+        let small = vocab("Qwen/Qwen2.5-0.5B-Instruct", &tok, 151_936);
+        let big = vocab("Qwen/Qwen2.5-7B-Instruct", &tok, 152_064);
+        check_vocabularies(small, big).unwrap();
+        check_vocabularies(small, small).unwrap();
+        // A draft that can produce ids the target lacks.
+        let e = check_vocabularies(big, small).unwrap_err().to_string();
+        assert!(
+            e.contains(
+                "draft model Qwen/Qwen2.5-7B-Instruct cannot draft for Qwen/Qwen2.5-0.5B-Instruct"
+            ) && e.contains("152063"),
+            "{e}"
+        );
+        // A tokenizer with two ids swapped: the first is named.
+        let mut json: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture_dir().join("tokenizer.json")).unwrap(),
+        )
+        .unwrap();
+        let v = json["model"]["vocab"].as_object_mut().unwrap();
+        let (a, b) = (v["a"].clone(), v["b"].clone());
+        v.insert("a".into(), b);
+        v.insert("b".into(), a.clone());
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, json.to_string()).unwrap();
+        let other = Tokenizer::from_file(&path).unwrap();
+        let e = check_vocabularies(vocab("swapped", &other, 151_936), big)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("swapped") && e.contains("Qwen/Qwen2.5-7B-Instruct"),
+            "{e}"
+        );
+        assert!(e.contains(&format!("id {a} is")), "{e}");
+        // DraftModel::new runs the same check.
+        let w = std::sync::Arc::new(qmk_model::synthetic_weights(&tiny_config(), 1));
+        let backend = crate::CpuBackend::new(w, 16).unwrap();
+        assert!(matches!(
+            DraftModel::new(backend, vocab("swapped", &other, 151_936), big, 0.1),
+            Err(EngineError::DraftVocabulary { .. })
+        ));
+    }
+
+    fn tiny_config() -> qmk_model::Config {
+        let mut c = qmk_model::Config::preset("0.5b").unwrap();
+        c.hidden_size = 64;
+        c.intermediate_size = 96;
+        c.num_hidden_layers = 2;
+        c.num_attention_heads = 4;
+        c.num_key_value_heads = Some(2);
+        c.head_dim = Some(16);
+        c.vocab_size = 300;
+        c
+    }
+
+    #[test]
+    fn a_draft_model_follows_the_accepted_tokens() {
+        use std::ops::ControlFlow;
+        use std::sync::Arc;
+
+        use crate::{CpuBackend, Engine, GenerateOptions, SpeculateMode, SpeculativeOptions};
+
+        let tok = Tokenizer::from_dir(fixture_dir()).unwrap();
+        let vocab = |name| ModelVocab {
+            name,
+            tokenizer: &tok,
+            rows: 300,
+        };
+        let target = Arc::new(qmk_model::synthetic_weights(&tiny_config(), 11));
+        let prompt = [5u32, 17, 29, 5, 17, 3, 250, 8];
+        let n = 60;
+        let cap = prompt.len() + n;
+        let opts = |mode| GenerateOptions {
+            max_new_tokens: n,
+            speculation: SpeculativeOptions {
+                mode,
+                adaptive: false,
+                ..SpeculativeOptions::default()
+            },
+            ..GenerateOptions::default()
+        };
+        let mut e = Engine::new(CpuBackend::new(target.clone(), cap).unwrap(), 300);
+        let go = |e: &mut Engine<CpuBackend>, mode| {
+            e.generate(&prompt, &opts(mode), |_| ControlFlow::Continue(()))
+                .unwrap()
+        };
+        let want = go(&mut e, SpeculateMode::Off).output_ids;
+        // The target drafting for itself: every guess holds.
+        let same = DraftModel::new(
+            CpuBackend::new(target.clone(), cap).unwrap(),
+            vocab("self"),
+            vocab("target"),
+            1.0,
+        )
+        .unwrap();
+        e.set_drafter(Some(Box::new(same)));
+        for _ in 0..2 {
+            // Twice: the second run starts from a reset drafter.
+            let g = go(&mut e, SpeculateMode::Draft);
+            assert_eq!(g.output_ids, want);
+            let s = g.speculation;
+            assert_eq!((s.accepted, s.proposed > 0), (s.proposed, true), "{s:?}");
+            assert!(s.tokens_per_step() > 6.0, "{s:?}");
+        }
+        // Another model drafting, its cache shorter than the run: guesses
+        // are rejected and rewritten, the output is the target's.
+        let other = Arc::new(qmk_model::synthetic_weights(&tiny_config(), 12));
+        let weak = DraftModel::new(
+            CpuBackend::new(other, cap - 20).unwrap(),
+            vocab("other"),
+            vocab("target"),
+            0.1,
+        )
+        .unwrap();
+        assert_eq!(weak.cost_per_token(), 0.1);
+        e.set_drafter(Some(Box::new(weak)));
+        let g = go(&mut e, SpeculateMode::Draft);
+        assert_eq!(g.output_ids, want);
+        let s = g.speculation;
+        assert!(s.accepted < s.proposed, "{s:?}");
+        // Auto picks the draft model for greedy decoding.
+        let mut auto = opts(SpeculateMode::Auto);
+        auto.speculation.adaptive = false;
+        let g = e
+            .generate(&prompt, &auto, |_| ControlFlow::Continue(()))
+            .unwrap();
+        assert_eq!(g.speculation.mode, SpeculateMode::Draft);
+        assert_eq!(g.output_ids, want);
+    }
+
+    #[test]
+    fn relative_cost_is_the_weight_bytes_ratio() {
+        let c = |p| qmk_model::Config::preset(p).unwrap();
+        let r = relative_cost(&c("0.5b"), &c("7b")).unwrap();
+        // 0.5B is about 1 GB of bf16 weights, 7B about 15 GB.
+        assert!(r > 0.05 && r < 0.1, "{r}");
+        assert_eq!(relative_cost(&c("7b"), &c("7b")).unwrap(), 1.0);
     }
 }

@@ -1,9 +1,11 @@
 //! The decode loop, written once above every backend.
 
 use std::ops::ControlFlow;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::sampling::{choose, Rng, Sampling, TokenHistory};
+use crate::draft::{Drafter, PromptLookup};
+use crate::sampling::Sampling;
+use crate::speculative::{self, SpeculateMode, SpeculativeOptions, SpeculativeStats};
 use crate::{Backend, EngineError};
 
 /// What to generate and when to stop.
@@ -17,6 +19,11 @@ pub struct GenerateOptions {
     pub stop_ids: Vec<u32>,
     /// Keep going past the stop ids (the golden tests do).
     pub ignore_eos: bool,
+    /// Speculative decoding ([`crate::speculative`]): by default greedy
+    /// requests speculate and sampled ones run plain steps; either way the
+    /// output has the distribution plain decoding gives (greedy: the same
+    /// ids).
+    pub speculation: SpeculativeOptions,
 }
 
 impl Default for GenerateOptions {
@@ -26,6 +33,7 @@ impl Default for GenerateOptions {
             sampling: Sampling::greedy(),
             stop_ids: Vec::new(),
             ignore_eos: false,
+            speculation: SpeculativeOptions::default(),
         }
     }
 }
@@ -70,6 +78,8 @@ pub struct Generation {
     pub prefill: Duration,
     /// Time spent producing tokens after the first.
     pub decode: Duration,
+    /// What speculation did (its mode is `Off` when plain steps ran).
+    pub speculation: SpeculativeStats,
 }
 
 impl Generation {
@@ -89,6 +99,10 @@ impl Generation {
 pub struct Engine<B: Backend> {
     backend: B,
     vocab_size: usize,
+    /// The drafter of [`SpeculateMode::Draft`] (a draft model).
+    drafter: Option<Box<dyn Drafter + Send>>,
+    /// The drafter of [`SpeculateMode::Ngram`].
+    lookup: PromptLookup,
 }
 
 impl<B: Backend> Engine<B> {
@@ -98,7 +112,22 @@ impl<B: Backend> Engine<B> {
         Engine {
             backend,
             vocab_size,
+            drafter: None,
+            lookup: PromptLookup::default(),
         }
+    }
+
+    /// Sets the drafter that [`SpeculateMode::Draft`] (and `Auto` for
+    /// greedy requests) uses, e.g. a [`crate::draft::DraftModel`]; `None`
+    /// removes it. `Send`, so an engine over a `Send` backend can still move
+    /// to another thread.
+    pub fn set_drafter(&mut self, drafter: Option<Box<dyn Drafter + Send>>) {
+        self.drafter = drafter;
+    }
+
+    /// Whether a drafter is set ([`Engine::set_drafter`]).
+    pub fn has_drafter(&self) -> bool {
+        self.drafter.is_some()
     }
 
     /// The backend.
@@ -114,13 +143,6 @@ impl<B: Backend> Engine<B> {
     /// Gives the backend back.
     pub fn into_backend(self) -> B {
         self.backend
-    }
-
-    fn backend_err(&self, e: B::Error) -> EngineError {
-        EngineError::Backend {
-            backend: self.backend.kind().name(),
-            source: Box::new(e),
-        }
     }
 
     /// Checks a request before any device work: prompt, vocabulary, capacity,
@@ -141,6 +163,10 @@ impl<B: Backend> Engine<B> {
             });
         }
         opts.sampling.validate()?;
+        opts.speculation.validate()?;
+        opts.speculation
+            .mode
+            .resolve(&opts.sampling, self.has_drafter())?;
         // The last generated token is never fed back, so prompt + new - 1
         // positions are written; checked_add guards absurd requests.
         let needed = prompt
@@ -161,84 +187,30 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Generates from `prompt` (token ids), calling `on_token` with each new
-    /// id as soon as it is chosen; the callback may stop generation early.
+    /// id as soon as it is chosen; the callback may stop generation early
+    /// (within one step: a verify's accepted tokens come one call each).
+    /// `opts.speculation` says whether and how to speculate
+    /// ([`crate::speculative`]).
     pub fn generate(
         &mut self,
         prompt: &[u32],
         opts: &GenerateOptions,
-        mut on_token: impl FnMut(u32) -> ControlFlow<()>,
+        on_token: impl FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Generation, EngineError> {
         self.check(prompt, opts)?;
-        let start = Instant::now();
-        self.backend.reset().map_err(|e| self.backend_err(e))?;
-        let s = &opts.sampling;
-        let mut rng = Rng::new(s.seed);
-        // Greedy without a penalty is the backend's own pick: no logits copy.
-        let backend_pick = s.is_greedy() && !s.has_penalty();
-        let mut history = if s.has_penalty() {
-            TokenHistory::new(prompt)
-        } else {
-            TokenHistory::default()
+        let mode = opts
+            .speculation
+            .mode
+            .resolve(&opts.sampling, self.has_drafter())?;
+        let drafter: Option<&mut (dyn Drafter + 'static)> = match mode {
+            SpeculateMode::Ngram => Some(&mut self.lookup),
+            SpeculateMode::Draft => self
+                .drafter
+                .as_deref_mut()
+                .map(|d| d as &mut (dyn Drafter + 'static)),
+            _ => None,
         };
-        let mut out = Vec::with_capacity(opts.max_new_tokens);
-        let mut stop = StopReason::Length;
-        let mut prefill = Duration::ZERO;
-        if opts.max_new_tokens == 0 {
-            return Ok(Generation {
-                prompt_ids: prompt.to_vec(),
-                output_ids: out,
-                stop,
-                prefill: start.elapsed(),
-                decode: Duration::ZERO,
-            });
-        }
-        let mut greedy_pick = self
-            .backend
-            .prefill(prompt, 0)
-            .map_err(|e| self.backend_err(e))?
-            .argmax;
-        let mut pos = prompt.len();
-        let mut decode_start = start;
-        loop {
-            let tok = if backend_pick {
-                greedy_pick
-            } else {
-                let mut logits = self.backend.logits().map_err(|e| self.backend_err(e))?;
-                choose(&mut logits, s, &history, &mut rng)
-            };
-            if s.has_penalty() {
-                history.push(tok);
-            }
-            if out.is_empty() {
-                prefill = start.elapsed();
-                decode_start = Instant::now();
-            }
-            out.push(tok);
-            if on_token(tok).is_break() {
-                stop = StopReason::Caller;
-                break;
-            }
-            if !opts.ignore_eos && opts.stop_ids.contains(&tok) {
-                stop = StopReason::Eos;
-                break;
-            }
-            if out.len() >= opts.max_new_tokens {
-                break;
-            }
-            let r = self
-                .backend
-                .step(tok, pos)
-                .map_err(|e| self.backend_err(e))?;
-            greedy_pick = r.argmax;
-            pos += 1;
-        }
-        Ok(Generation {
-            prompt_ids: prompt.to_vec(),
-            output_ids: out,
-            stop,
-            prefill,
-            decode: decode_start.elapsed(),
-        })
+        speculative::decode(&mut self.backend, drafter, mode, prompt, opts, on_token)
     }
 }
 
@@ -310,6 +282,13 @@ mod tests {
         opts: &GenerateOptions,
     ) -> Result<Generation, EngineError> {
         e.generate(prompt, opts, |_| ControlFlow::Continue(()))
+    }
+
+    #[test]
+    fn an_engine_over_a_send_backend_is_send() {
+        fn send<T: Send>() {}
+        send::<Engine<crate::CpuBackend>>();
+        send::<Engine<Fake>>();
     }
 
     #[test]

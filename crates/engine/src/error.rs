@@ -49,9 +49,21 @@ pub enum EngineError {
     /// A speculative decoding setting is out of range.
     #[error("invalid speculative decoding option {field}: {reason}")]
     InvalidSpeculation {
-        /// The [`crate::speculative::SpeculativeOptions`] field at fault.
+        /// The [`crate::speculative::SpeculativeOptions`] field (or other
+        /// speculation setting) at fault.
         field: &'static str,
         /// The value and what it must be.
+        reason: String,
+    },
+    /// A draft model cannot draft for the target model: their vocabularies
+    /// differ on an id the draft can produce.
+    #[error("draft model {draft} cannot draft for {target}: {reason}")]
+    DraftVocabulary {
+        /// The draft model's name.
+        draft: String,
+        /// The target model's name.
+        target: String,
+        /// The first difference found.
         reason: String,
     },
     /// The generated ids could not be turned into text.

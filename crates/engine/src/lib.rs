@@ -1,9 +1,10 @@
 //! Backend-agnostic runtime: the [`Backend`] trait every decoder implements
 //! (the CPU reference, the cudarc and cust CUDA backends), sampling, the
 //! decode loop written once above them, and text on top of it (stop strings,
-//! streamed deltas: [`text`]). [`speculative`] is greedy decoding with
-//! guesses from [`draft`] checked in multi-token steps
-//! ([`Backend::step_many`]): the same output in fewer steps.
+//! streamed deltas: [`text`]). [`speculative`] decoding, a mode of
+//! [`Engine::generate`], checks guesses from [`draft`] (prompt lookup, a
+//! draft model) in multi-token steps ([`Backend::step_many`]): the same
+//! greedy output, or the same sampling distribution, in fewer steps.
 //!
 //! ```
 //! use std::{ops::ControlFlow, sync::Arc};
@@ -40,4 +41,5 @@ pub use cpu::CpuBackend;
 pub use engine::{Engine, GenerateOptions, Generation, StopReason};
 pub use error::EngineError;
 pub use sampling::{Sampling, SamplingDefaults, SamplingRequest};
+pub use speculative::{SpeculateMode, SpeculativeOptions, SpeculativeStats};
 pub use text::{StopMatcher, TextDelta, TextStream};

@@ -21,6 +21,7 @@
 //!     stop_ids: vec![151645, 151643],
 //!     vocab_size: weights.config.vocab_size,
 //!     sampling: qmk_engine::SamplingDefaults::GREEDY,
+//!     speculation: qmk_engine::SpeculativeOptions::default(),
 //! };
 //! let vocab = model.vocab_size;
 //! let server = Server::start(model, ServerConfig::default(), move || {
@@ -72,6 +73,9 @@ pub struct ModelInfo {
     /// Sampling values a request leaves out (the model's
     /// `generation_config.json`; greedy without one).
     pub sampling: qmk_engine::SamplingDefaults,
+    /// How every request speculates ([`qmk_engine::speculative`]; by
+    /// default greedy requests do, sampled ones run plain steps).
+    pub speculation: qmk_engine::SpeculativeOptions,
 }
 
 /// How the server behaves.

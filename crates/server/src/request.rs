@@ -346,6 +346,7 @@ pub fn generate_options(
         sampling,
         stop_ids: model.stop_ids.clone(),
         ignore_eos: false,
+        speculation: model.speculation,
     };
     Ok((options, stops))
 }
@@ -1019,6 +1020,7 @@ mod tests {
             stop_ids: vec![7, 8],
             vocab_size: 151_936,
             sampling,
+            speculation: qmk_engine::SpeculativeOptions::default(),
         }
     }
 

@@ -16,7 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use qmk_engine::{
-    Backend, Engine, EngineError, GenerateOptions, StopMatcher, StopReason, TextStream,
+    Backend, Engine, EngineError, GenerateOptions, SpeculateMode, SpeculativeStats, StopMatcher,
+    StopReason, TextStream,
 };
 use qmk_model::tokenizer::Tokenizer;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
@@ -98,6 +99,8 @@ pub struct Outcome {
     pub first_token: Duration,
     /// Decode rate after the first token.
     pub tok_per_s: f64,
+    /// What speculation did.
+    pub speculation: SpeculativeStats,
 }
 
 /// Whether the engine still works; the first sticky error, once one came.
@@ -313,6 +316,7 @@ fn run<B: Backend>(
         stop: generation.stop,
         queued,
         first_token: generation.prefill,
+        speculation: generation.speculation,
     })
 }
 
@@ -340,8 +344,20 @@ fn outcome_line(id: &str, o: &Outcome) -> String {
         StopReason::Length => "length",
         StopReason::Caller => "cancelled",
     };
+    let s = &o.speculation;
+    let speculated = if s.mode == SpeculateMode::Off {
+        String::new()
+    } else {
+        format!(
+            "; speculation {}: {} of {} guesses accepted, {:.2} tokens/step",
+            s.mode.name(),
+            s.accepted,
+            s.proposed,
+            s.tokens_per_step()
+        )
+    };
     format!(
-        "{id}: prompt {} tokens, completion {} tokens ({end}); queued {:.1} ms, time to first token {:.1} ms, decode {:.2} tok/s",
+        "{id}: prompt {} tokens, completion {} tokens ({end}); queued {:.1} ms, time to first token {:.1} ms, decode {:.2} tok/s{speculated}",
         o.prompt_tokens,
         o.output_ids.len(),
         ms(o.queued),

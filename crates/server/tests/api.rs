@@ -211,6 +211,7 @@ fn harness(setup: Setup) -> Harness {
         stop_ids: vec![IM_END, 151_643],
         vocab_size: VOCAB,
         sampling: qmk_engine::SamplingDefaults::GREEDY,
+        speculation: qmk_engine::SpeculativeOptions::default(),
     };
     let mut config = setup.config;
     config.quiet = true;
