@@ -781,7 +781,10 @@ fn cpu_backend(weights: Arc<Weights>, capacity: usize) -> Result<AnyBackend> {
 pub fn engine_error(e: EngineError) -> anyhow::Error {
     match e {
         EngineError::Backend { backend, source } => {
-            anyhow!("{backend} backend: {}", crate::ui::flatten(source.as_ref()))
+            anyhow!(
+                "{backend} backend: {}",
+                qmk_engine::error_chain(source.as_ref())
+            )
         }
         other => anyhow!("{other}"),
     }

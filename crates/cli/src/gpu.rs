@@ -63,7 +63,7 @@ pub fn probe() -> Result<GpuInfo, GpuError> {
             total_mem: d.total_mem,
             sms: d.sms,
         }),
-        Err(e) => Err(GpuError::NoGpu(crate::ui::flatten(&e))),
+        Err(e) => Err(GpuError::NoGpu(qmk_engine::error_chain(&e))),
     }
 }
 
@@ -127,7 +127,7 @@ fn open_with<D: Driver + 'static>(
             need_gib: needed as f64 / GIB,
             have_gib: available as f64 / GIB,
         }),
-        Err(e) => Err(GpuError::Other(crate::ui::flatten(&e))),
+        Err(e) => Err(GpuError::Other(qmk_engine::error_chain(&e))),
     }
 }
 

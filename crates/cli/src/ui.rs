@@ -77,19 +77,3 @@ impl Ui {
         }
     }
 }
-
-/// `e` and its sources as `a: b: c`, skipping a source whose text the line
-/// already holds.
-pub fn flatten(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut line = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        let t = s.to_string();
-        if !line.contains(&t) {
-            line.push_str(": ");
-            line.push_str(&t);
-        }
-        cur = s.source();
-    }
-    line
-}

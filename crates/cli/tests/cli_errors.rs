@@ -7,11 +7,7 @@ mod support;
 
 use std::path::Path;
 
-use support::{run, tiny_model};
-
-fn dir() -> Option<String> {
-    tiny_model().map(|p| p.to_string_lossy().into_owned())
-}
+use support::{run, tiny_model_arg as dir, tiny_model_copy as model_copy, Generate};
 
 fn gen(m: &str, extra: &[&str]) -> support::Run {
     let mut args = vec!["generate", "--model", m, "--backend", "cpu"];
@@ -68,32 +64,22 @@ fn invalid_sampling_values() {
     }
     // Checked before anything is downloaded or loaded: a model that does
     // not exist is not even looked at.
-    run(&[
-        "generate",
-        "--model",
-        "nobody/nothing",
-        "--prompt",
-        "Hi",
-        "--top-p",
-        "2",
-    ])
-    .assert_usage_error(&["--top-p"]);
+    Generate::new("nobody/nothing", "Hi")
+        .args(&["--top-p", "2"])
+        .run()
+        .assert_usage_error(&["--top-p"]);
 }
 
 #[test]
 fn missing_local_model() {
-    run(&["generate", "--model", "./no/such/dir", "--prompt", "Hi"])
+    Generate::new("./no/such/dir", "Hi")
+        .run()
         .assert_error(&["./no/such/dir", "no such directory"]);
     let Some(m) = dir() else { return };
     let file = Path::new(&m).join("config.json");
-    run(&[
-        "generate",
-        "--model",
-        file.to_str().unwrap(),
-        "--prompt",
-        "Hi",
-    ])
-    .assert_error(&["not a directory"]);
+    Generate::new(file.to_str().unwrap(), "Hi")
+        .run()
+        .assert_error(&["not a directory"]);
 }
 
 fn gpu_present() -> bool {
@@ -107,26 +93,12 @@ fn no_gpu_for_a_gpu_backend() {
         eprintln!("SKIP: a GPU is present; the no-GPU error cannot be provoked here");
         return;
     }
-    run(&[
-        "generate",
-        "--model",
-        &m,
-        "--prompt",
-        "Hi",
-        "--backend",
-        "cudarc",
-    ])
-    .assert_error(&["--backend cudarc", "no GPU"]);
+    Generate::new(&m, "Hi")
+        .args(&["--backend", "cudarc"])
+        .run()
+        .assert_error(&["--backend cudarc", "no GPU"]);
     // cust: either not compiled in, or no GPU.
-    let r = run(&[
-        "generate",
-        "--model",
-        &m,
-        "--prompt",
-        "Hi",
-        "--backend",
-        "cust",
-    ]);
+    let r = Generate::new(&m, "Hi").args(&["--backend", "cust"]).run();
     r.assert_error(&[]);
     assert!(
         r.stderr.contains("no GPU") || r.stderr.contains("--features cust"),
@@ -138,12 +110,7 @@ fn no_gpu_for_a_gpu_backend() {
 /// The tiny model with an enormous max_position_embeddings, so a context
 /// can be asked for that no machine holds.
 fn huge_context_model() -> Option<tempfile::TempDir> {
-    let m = dir()?;
-    let tmp = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(&m).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
-    }
+    let tmp = model_copy()?;
     let cfg_path = tmp.path().join("config.json");
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
@@ -160,18 +127,10 @@ fn out_of_memory_is_refused_before_allocating() {
     let d = tmp.path().to_str().unwrap();
     // The largest context the flag takes: ~1.2 TB of KV cache here.
     let ctx = u32::MAX.to_string();
-    run(&[
-        "generate",
-        "--model",
-        d,
-        "--prompt",
-        "Hi",
-        "--backend",
-        "cpu",
-        "--context",
-        &ctx,
-    ])
-    .assert_error(&["out of memory", "--context"]);
+    Generate::cpu(d, "Hi")
+        .args(&["--context", &ctx])
+        .run()
+        .assert_error(&["out of memory", "--context"]);
     run(&["chat", "--model", d, "--backend", "cpu", "--context", &ctx])
         .assert_error(&["out of memory"]);
 }
@@ -187,51 +146,22 @@ fn out_of_device_memory() {
     }
     let d = tmp.path().to_str().unwrap();
     let ctx = u32::MAX.to_string();
-    let r = run(&[
-        "generate",
-        "--model",
-        d,
-        "--prompt",
-        "Hi",
-        "--backend",
-        "cudarc",
-        "--context",
-        &ctx,
-    ]);
+    let r = Generate::new(d, "Hi")
+        .args(&["--backend", "cudarc", "--context", &ctx])
+        .run();
     r.assert_error(&["out of device memory"]);
 }
 
 #[test]
 fn broken_model_files_name_the_file() {
-    let Some(m) = dir() else { return };
-    let tmp = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(&m).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
-    }
+    let Some(tmp) = model_copy() else { return };
     let d = tmp.path().to_str().unwrap();
     std::fs::write(tmp.path().join("tokenizer.json"), "{ not json").unwrap();
-    run(&[
-        "generate",
-        "--model",
-        d,
-        "--prompt",
-        "Hi",
-        "--backend",
-        "cpu",
-    ])
-    .assert_error(&["tokenizer.json"]);
+    Generate::cpu(d, "Hi")
+        .run()
+        .assert_error(&["tokenizer.json"]);
     std::fs::write(tmp.path().join("config.json"), "{}").unwrap();
-    run(&[
-        "generate",
-        "--model",
-        d,
-        "--prompt",
-        "Hi",
-        "--backend",
-        "cpu",
-    ])
-    .assert_error(&["config.json"]);
+    Generate::cpu(d, "Hi").run().assert_error(&["config.json"]);
 }
 
 #[test]
@@ -239,17 +169,6 @@ fn missing_cubin_file() {
     let Some(m) = dir() else { return };
     gen(&m, &["--prompt", "Hi", "--cubin", "/no/such.cubin"])
         .assert_error(&["--cubin", "no such file"]);
-}
-
-/// A copy of the tiny model in a temporary directory.
-fn model_copy() -> Option<tempfile::TempDir> {
-    let m = dir()?;
-    let tmp = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(&m).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
-    }
-    Some(tmp)
 }
 
 #[test]

@@ -8,44 +8,11 @@ mod support;
 
 use std::path::Path;
 
-use support::{run, run_redirected, tiny_model, Sink};
-
-fn dir() -> Option<String> {
-    tiny_model().map(|p| p.to_string_lossy().into_owned())
-}
+use support::{chat_args, run, run_redirected, tiny_model_arg as dir, Generate, Sink};
 
 /// `generate` of a few tokens on the tiny model (CPU), plus `extra`.
-fn gen_args<'a>(m: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut a = vec![
-        "generate",
-        "--model",
-        m,
-        "--prompt",
-        "Hi",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "4",
-        "--ignore-eos",
-    ];
-    a.extend_from_slice(extra);
-    a
-}
-
-/// `chat` on the tiny model (CPU), at most `new_tokens` per reply, plus
-/// `extra`.
-fn chat_args<'a>(m: &'a str, new_tokens: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut a = vec![
-        "chat",
-        "--model",
-        m,
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        new_tokens,
-    ];
-    a.extend_from_slice(extra);
-    a
+fn gen_args(m: &str, extra: &[&str]) -> Generate {
+    Generate::cpu(m, "Hi").exactly("4").args(extra)
 }
 
 // ---- usage errors ---------------------------------------------------------
@@ -56,11 +23,7 @@ static LONG_STOP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| "s".
 #[test]
 fn flag_values_that_size_memory_or_work_are_bounded() {
     // Checked by the parser: no model is looked at (this one does not exist).
-    let g = |extra: &[&str]| {
-        let mut a = vec!["generate", "--model", "nobody/nothing", "--prompt", "Hi"];
-        a.extend_from_slice(extra);
-        run(&a)
-    };
+    let g = |extra: &[&str]| Generate::new("nobody/nothing", "Hi").args(extra).run();
     for (args, needles) in [
         (
             &["--json", "--top-logprobs", "1000000000000"][..],
@@ -257,7 +220,12 @@ fn a_closed_stdout_ends_generate_and_chat_quietly() {
     let Some(m) = dir() else { return };
     // `| head -c 0`: the reader is gone before the first token is written.
     for extra in [&[][..], &["--json"]] {
-        let r = run_redirected(&gen_args(&m, extra), None, Sink::ClosedPipe, Sink::Capture);
+        let r = run_redirected(
+            &gen_args(&m, extra).argv(),
+            None,
+            Sink::ClosedPipe,
+            Sink::Capture,
+        );
         r.assert_no_panic();
         assert_eq!(r.code, 0, "{r:#?}");
         assert!(!r.stderr.contains("error"), "{r:#?}");
@@ -291,7 +259,7 @@ fn a_closed_stdout_ends_generate_and_chat_quietly() {
 fn a_full_stdout_is_an_error_naming_stdout() {
     let Some(m) = dir() else { return };
     for extra in [&[][..], &["--json"]] {
-        let r = run_redirected(&gen_args(&m, extra), None, Sink::Full, Sink::Capture);
+        let r = run_redirected(&gen_args(&m, extra).argv(), None, Sink::Full, Sink::Capture);
         r.assert_no_panic();
         r.assert_error(&["cannot write to stdout", "No space left on device"]);
     }
@@ -323,10 +291,10 @@ fn a_stderr_that_cannot_be_written_is_never_fatal() {
     for sink in [Sink::Full, Sink::ClosedPipe] {
         // Success with notes and a stats line on stderr: before, a panic
         // (exit 101) at the first note.
-        let r = run_redirected(&gen_args(&m, &[]), None, Sink::Capture, sink);
+        let r = run_redirected(&gen_args(&m, &[]).argv(), None, Sink::Capture, sink);
         assert_eq!(r.code, 0, "{sink:?}: {r:#?}");
         assert!(!r.stdout.is_empty(), "{sink:?}: {r:#?}");
-        let j = run_redirected(&gen_args(&m, &["--json"]), None, Sink::Capture, sink);
+        let j = run_redirected(&gen_args(&m, &["--json"]).argv(), None, Sink::Capture, sink);
         assert_eq!(j.code, 0, "{sink:?}: {j:#?}");
         assert!(j.stdout.contains("\"output_ids\""), "{j:#?}");
         // Error paths keep their exit codes: 1 for an error, 2 for usage.
@@ -348,7 +316,12 @@ fn a_stderr_that_cannot_be_written_is_never_fatal() {
         assert_eq!(p.code, 1, "{sink:?}: {p:#?}");
     }
     // `2>&1 | true`: both streams gone; the run still ends without a panic.
-    let r = run_redirected(&gen_args(&m, &[]), None, Sink::ClosedPipe, Sink::ClosedPipe);
+    let r = run_redirected(
+        &gen_args(&m, &[]).argv(),
+        None,
+        Sink::ClosedPipe,
+        Sink::ClosedPipe,
+    );
     assert_eq!(r.code, 0, "{r:#?}");
     let r = run_redirected(
         &["generate", "--model", "./no/such/dir", "--prompt", "Hi"],
@@ -374,16 +347,7 @@ fn endless_stdin_is_refused_after_the_cap() {
     let zero = Path::new("/dev/zero");
     // Before: read until memory ran out. Now: 64 MiB + 1 byte, then an error.
     let r = run_redirected(
-        &[
-            "generate",
-            "--model",
-            &m,
-            "--prompt",
-            "-",
-            "--raw",
-            "--backend",
-            "cpu",
-        ],
+        &Generate::cpu(&m, "-").raw().argv(),
         Some(zero),
         Sink::Capture,
         Sink::Capture,

@@ -5,28 +5,12 @@ mod support;
 
 use std::time::Duration;
 
-use support::{qwen_mk, run, tiny_model};
-
-fn dir() -> Option<String> {
-    tiny_model().map(|p| p.to_string_lossy().into_owned())
-}
+use support::{chat_args, qwen_mk, tiny_model_arg as dir, tiny_model_copy, Generate};
 
 #[test]
 fn json_output_has_every_field_and_the_chat_prompt() {
     let Some(m) = dir() else { return };
-    let r = run(&[
-        "generate",
-        "--model",
-        &m,
-        "--prompt",
-        "Hi",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "5",
-        "--ignore-eos",
-        "--json",
-    ]);
+    let r = Generate::cpu(&m, "Hi").exactly("5").json().run();
     r.assert_ok();
     let j = r.json();
     for k in [
@@ -62,24 +46,13 @@ fn json_output_has_every_field_and_the_chat_prompt() {
 #[test]
 fn raw_system_and_top_logprobs() {
     let Some(m) = dir() else { return };
-    let raw = run(&[
-        "generate",
-        "--model",
-        &m,
-        "--prompt",
-        "Hello world",
-        "--raw",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "4",
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--json",
-        "--top-logprobs",
-        "3",
-    ]);
+    let raw = Generate::cpu(&m, "Hello world")
+        .raw()
+        .exactly("4")
+        .greedy()
+        .json()
+        .args(&["--top-logprobs", "3"])
+        .run();
     raw.assert_ok();
     let j = raw.json();
     assert_eq!(j["prompt_ids"], serde_json::json!([9707, 1879]));
@@ -96,20 +69,11 @@ fn raw_system_and_top_logprobs() {
             "{lps:?}"
         );
     }
-    let sys = run(&[
-        "generate",
-        "--model",
-        &m,
-        "--prompt",
-        "Hi",
-        "--system",
-        "Be brief.",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "1",
-        "--json",
-    ]);
+    let sys = Generate::cpu(&m, "Hi")
+        .args(&["--system", "Be brief."])
+        .max_new_tokens("1")
+        .json()
+        .run();
     sys.assert_ok();
     let ids = sys.json()["prompt_ids"].clone();
     // <|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi...
@@ -123,37 +87,10 @@ fn raw_system_and_top_logprobs() {
 #[test]
 fn streaming_prints_text_and_a_stats_line() {
     let Some(m) = dir() else { return };
-    let r = run(&[
-        "generate",
-        "--model",
-        &m,
-        "--prompt",
-        "Hi",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "6",
-        "--ignore-eos",
-        "--temperature",
-        "0",
-    ]);
+    let six = Generate::cpu(&m, "Hi").exactly("6").greedy();
+    let r = six.run();
     r.assert_ok();
-    let j = run(&[
-        "generate",
-        "--model",
-        &m,
-        "--prompt",
-        "Hi",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "6",
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--json",
-    ])
-    .json();
+    let j = six.json().run().json();
     // Streamed text is the decoded output (special tokens skipped) plus a newline.
     assert_eq!(r.stdout, format!("{}\n", j["text"].as_str().unwrap()));
     let stats = r.stderr.lines().last().unwrap();
@@ -162,18 +99,10 @@ fn streaming_prints_text_and_a_stats_line() {
         "{stats}"
     );
     // --quiet: nothing on stderr.
-    let q = run(&[
-        "generate",
-        "--model",
-        &m,
-        "--prompt",
-        "Hi",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "2",
-        "--quiet",
-    ]);
+    let q = Generate::cpu(&m, "Hi")
+        .max_new_tokens("2")
+        .args(&["--quiet"])
+        .run();
     q.assert_ok();
     assert_eq!(q.stderr, "");
 }
@@ -181,15 +110,7 @@ fn streaming_prints_text_and_a_stats_line() {
 #[test]
 fn auto_backend_says_which_it_uses() {
     let Some(m) = dir() else { return };
-    let r = run(&[
-        "generate",
-        "--model",
-        &m,
-        "--prompt",
-        "Hi",
-        "--max-new-tokens",
-        "1",
-    ]);
+    let r = Generate::new(&m, "Hi").max_new_tokens("1").run();
     r.assert_ok();
     assert!(r.stderr.contains("backend"), "{}", r.stderr);
 }
@@ -198,27 +119,12 @@ fn auto_backend_says_which_it_uses() {
 fn sampling_is_reproducible_with_a_seed() {
     let Some(m) = dir() else { return };
     let go = |seed: &str| {
-        let r = run(&[
-            "generate",
-            "--model",
-            &m,
-            "--prompt",
-            "Hi",
-            "--backend",
-            "cpu",
-            "--max-new-tokens",
-            "12",
-            "--ignore-eos",
-            "--json",
-            "--temperature",
-            "1.5",
-            "--top-k",
-            "50",
-            "--top-p",
-            "0.95",
-            "--seed",
-            seed,
-        ]);
+        let r = Generate::cpu(&m, "Hi")
+            .exactly("12")
+            .json()
+            .args(&["--temperature", "1.5", "--top-k", "50", "--top-p", "0.95"])
+            .args(&["--seed", seed])
+            .run();
         r.assert_ok();
         r.json()["output_ids"].clone()
     };
@@ -231,66 +137,26 @@ fn sampling_is_reproducible_with_a_seed() {
 fn stops_at_end_of_text_unless_ignored() {
     let Some(m) = dir() else { return };
     // Find what the model says first, then declare that id the end of text.
-    let probe = run(&[
-        "generate",
-        "--model",
-        &m,
-        "--prompt",
-        "Hi",
-        "--raw",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "3",
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--json",
-    ])
-    .json();
+    let probe = Generate::cpu(&m, "Hi")
+        .raw()
+        .exactly("3")
+        .greedy()
+        .json()
+        .run()
+        .json();
     let first = probe["output_ids"][0].as_u64().unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(&m).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
-    }
+    let tmp = tiny_model_copy().unwrap();
     std::fs::write(
         tmp.path().join("generation_config.json"),
         format!(r#"{{"eos_token_id": [{first}]}}"#),
     )
     .unwrap();
     let d = tmp.path().to_str().unwrap();
-    let stop = run(&[
-        "generate",
-        "--model",
-        d,
-        "--prompt",
-        "Hi",
-        "--raw",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "3",
-        "--json",
-    ])
-    .json();
+    let three = Generate::cpu(d, "Hi").raw().max_new_tokens("3").json();
+    let stop = three.run().json();
     assert_eq!(stop["output_ids"], serde_json::json!([first]));
     assert_eq!(stop["stop"], "eos");
-    let go_on = run(&[
-        "generate",
-        "--model",
-        d,
-        "--prompt",
-        "Hi",
-        "--raw",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "3",
-        "--json",
-        "--ignore-eos",
-    ])
-    .json();
+    let go_on = three.args(&["--ignore-eos"]).run().json();
     assert_eq!(go_on["output_ids"], probe["output_ids"]);
 }
 
@@ -298,19 +164,11 @@ fn stops_at_end_of_text_unless_ignored() {
 fn prompt_from_stdin() {
     let Some(m) = dir() else { return };
     let r = qwen_mk(
-        &[
-            "generate",
-            "--model",
-            &m,
-            "--prompt",
-            "-",
-            "--raw",
-            "--backend",
-            "cpu",
-            "--max-new-tokens",
-            "1",
-            "--json",
-        ],
+        &Generate::cpu(&m, "-")
+            .raw()
+            .max_new_tokens("1")
+            .json()
+            .argv(),
         &[],
         "Hello world",
         Duration::from_secs(120),
@@ -323,16 +181,7 @@ fn prompt_from_stdin() {
 fn chat_keeps_history_and_survives_a_full_context() {
     let Some(m) = dir() else { return };
     let r = qwen_mk(
-        &[
-            "chat",
-            "--model",
-            &m,
-            "--backend",
-            "cpu",
-            "--max-new-tokens",
-            "4",
-            "--ignore-eos",
-        ],
+        &chat_args(&m, "4", &["--ignore-eos"]),
         &[],
         "Hello\nHow are you?\n/reset\nAgain\n/exit\nnever read\n",
         Duration::from_secs(120),
@@ -366,18 +215,7 @@ fn chat_keeps_history_and_survives_a_full_context() {
 
     // A context that one exchange nearly fills: a message, then a reset works.
     let r = qwen_mk(
-        &[
-            "chat",
-            "--model",
-            &m,
-            "--backend",
-            "cpu",
-            "--max-new-tokens",
-            "8",
-            "--ignore-eos",
-            "--context",
-            "40",
-        ],
+        &chat_args(&m, "8", &["--ignore-eos", "--context", "40"]),
         &[],
         "Hello\nTell me more about that, please\n/reset\nHi\n",
         Duration::from_secs(120),

@@ -10,30 +10,19 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::Value;
-use support::{command, qwen_mk, run, tiny_model, wait_with_deadline};
-
-fn dir() -> Option<String> {
-    tiny_model().map(|p| p.to_string_lossy().into_owned())
-}
+use support::{
+    chat_args, command, qwen_mk, run, tiny_model, tiny_model_arg as dir, tiny_model_copy,
+    wait_with_deadline, Generate,
+};
 
 /// `generate --json` on `model` with `extra` flags (12 new tokens, the
 /// end-of-text ids ignored).
 fn gen_json(model: &str, extra: &[&str]) -> Value {
-    let mut args = vec![
-        "generate",
-        "--model",
-        model,
-        "--prompt",
-        "Hi",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "12",
-        "--ignore-eos",
-        "--json",
-    ];
-    args.extend_from_slice(extra);
-    let r = run(&args);
+    let r = Generate::cpu(model, "Hi")
+        .exactly("12")
+        .json()
+        .args(extra)
+        .run();
     r.assert_ok();
     r.json()
 }
@@ -41,12 +30,7 @@ fn gen_json(model: &str, extra: &[&str]) -> Value {
 /// A copy of the tiny model with `generation_config.json` replaced by
 /// `text` (removed when `None`).
 fn model_with_generation_config(text: Option<&str>) -> tempfile::TempDir {
-    let src = tiny_model().unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(src).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
-    }
+    let tmp = tiny_model_copy().unwrap();
     let p = tmp.path().join("generation_config.json");
     match text {
         Some(t) => std::fs::write(p, t).unwrap(),
@@ -81,19 +65,10 @@ fn the_models_generation_config_sets_the_defaults_and_the_seed_is_reported() {
     assert_eq!(again["output_ids"], a["output_ids"]);
     assert_eq!(again["text"], a["text"]);
     // The stats line names it too.
-    let r = run(&[
-        "generate",
-        "--model",
-        &m,
-        "--prompt",
-        "Hi",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "2",
-        "--seed",
-        "77",
-    ]);
+    let r = Generate::cpu(&m, "Hi")
+        .max_new_tokens("2")
+        .args(&["--seed", "77"])
+        .run();
     r.assert_ok();
     assert!(r.stderr.contains("sampled with --seed 77"), "{r:#?}");
     // A flag overrides its default only.
@@ -160,25 +135,11 @@ fn a_hostile_generation_config_is_one_error_naming_file_and_field() {
         (r#"{"top_k": 1e300}"#, "top_k"),
     ] {
         let m = model_with_generation_config(Some(text));
-        let r = run(&[
-            "generate",
-            "--model",
-            m.path().to_str().unwrap(),
-            "--prompt",
-            "Hi",
-            "--backend",
-            "cpu",
-        ]);
+        let r = Generate::cpu(m.path().to_str().unwrap(), "Hi").run();
         r.assert_error(&["generation_config.json", field]);
     }
     let m = model_with_generation_config(Some(r#"{"temperature": NaN}"#));
-    let r = run(&[
-        "generate",
-        "--model",
-        m.path().to_str().unwrap(),
-        "--prompt",
-        "Hi",
-    ]);
+    let r = Generate::new(m.path().to_str().unwrap(), "Hi").run();
     r.assert_error(&["generation_config.json", "invalid JSON"]);
 }
 
@@ -209,21 +170,11 @@ fn a_stop_string_ends_the_text_before_it_streamed_or_not() {
         full["output_ids"].as_array().unwrap()[..n]
     );
     // Streamed: the same text, never the stop string.
-    let r = run(&[
-        "generate",
-        "--model",
-        &m,
-        "--prompt",
-        "Hi",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "12",
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        &stop_flag,
-    ]);
+    let r = Generate::cpu(&m, "Hi")
+        .exactly("12")
+        .greedy()
+        .args(&[&stop_flag])
+        .run();
     r.assert_ok();
     assert_eq!(r.stdout, format!("{want}\n"));
     // A stop string that never comes changes nothing.
@@ -243,17 +194,7 @@ fn chat_takes_a_fenced_block_as_one_message() {
     let Some(m) = dir() else { return };
     let chat = |input: &str| {
         let r = qwen_mk(
-            &[
-                "chat",
-                "--model",
-                &m,
-                "--backend",
-                "cpu",
-                "--max-new-tokens",
-                "2",
-                "--temperature",
-                "0",
-            ],
+            &chat_args(&m, "2", &["--temperature", "0"]),
             &[],
             input,
             Duration::from_secs(120),
@@ -302,25 +243,12 @@ fn chat_help_documents_the_input_syntax_and_ctrl_c() {
 #[test]
 fn ctrl_c_at_the_chat_prompt_ends_the_session() {
     let Some(m) = dir() else { return };
-    let mut child = command(
-        &[
-            "chat",
-            "--model",
-            &m,
-            "--backend",
-            "cpu",
-            "--max-new-tokens",
-            "2",
-            "--temperature",
-            "0",
-        ],
-        &[],
-    )
-    .stdin(Stdio::piped())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let mut child = command(&chat_args(&m, "2", &["--temperature", "0"]), &[])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let mut stdin = child.stdin.take().unwrap();
     stdin.write_all(b"Hello\n").unwrap();
     stdin.flush().unwrap();

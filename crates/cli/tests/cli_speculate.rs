@@ -10,32 +10,19 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::Value;
-use support::{command, run, tiny_model, wait_with_deadline};
-
-fn dir() -> Option<String> {
-    tiny_model().map(|p| p.to_string_lossy().into_owned())
-}
+use support::{
+    chat_args, command, run, tiny_model_arg as dir, tiny_model_copy, wait_with_deadline, Generate,
+};
 
 /// Greedy `generate --json` of 24 tokens (end-of-text ignored) with `extra`.
 fn greedy(model: &str, extra: &[&str]) -> Value {
-    let mut args = vec![
-        "generate",
-        "--model",
-        model,
-        "--prompt",
-        "one two three one two three one two",
-        "--raw",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "24",
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--json",
-    ];
-    args.extend_from_slice(extra);
-    let r = run(&args);
+    let r = Generate::cpu(model, "one two three one two three one two")
+        .raw()
+        .exactly("24")
+        .greedy()
+        .json()
+        .args(extra)
+        .run();
     r.assert_ok();
     r.json()
 }
@@ -107,23 +94,12 @@ fn top_logprobs_are_the_same_with_speculation() {
 fn sampling_speculates_only_when_asked() {
     let Some(m) = dir() else { return };
     let sample = |extra: &[&str]| {
-        let mut args = vec![
-            "generate",
-            "--model",
-            &m,
-            "--prompt",
-            "Hi",
-            "--backend",
-            "cpu",
-            "--max-new-tokens",
-            "8",
-            "--ignore-eos",
-            "--seed",
-            "3",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        let r = run(&args);
+        let r = Generate::cpu(&m, "Hi")
+            .exactly("8")
+            .args(&["--seed", "3"])
+            .json()
+            .args(extra)
+            .run();
         r.assert_ok();
         r.json()
     };
@@ -141,23 +117,12 @@ fn sampling_speculates_only_when_asked() {
 #[test]
 fn the_stats_line_and_chat_report_speculation() {
     let Some(m) = dir() else { return };
-    let r = run(&[
-        "generate",
-        "--model",
-        &m,
-        "--prompt",
-        "a b a b a b",
-        "--raw",
-        "--backend",
-        "cpu",
-        "--max-new-tokens",
-        "6",
-        "--temperature",
-        "0",
-        "--ignore-eos",
-        "--speculate",
-        "ngram",
-    ]);
+    let r = Generate::cpu(&m, "a b a b a b")
+        .raw()
+        .exactly("6")
+        .greedy()
+        .args(&["--speculate", "ngram"])
+        .run();
     r.assert_ok();
     assert!(
         r.stderr.contains("speculation ngram: ") && r.stderr.contains("tokens/step"),
@@ -165,20 +130,17 @@ fn the_stats_line_and_chat_report_speculation() {
     );
     // chat: the same flags, a reply per line of stdin.
     let mut child = command(
-        &[
-            "chat",
-            "--model",
+        &chat_args(
             &m,
-            "--backend",
-            "cpu",
-            "--max-new-tokens",
             "6",
-            "--temperature",
-            "0",
-            "--draft-model",
-            &m,
-            "--speculate-always",
-        ],
+            &[
+                "--temperature",
+                "0",
+                "--draft-model",
+                &m,
+                "--speculate-always",
+            ],
+        ),
         &[],
     )
     .stdin(Stdio::piped())
@@ -196,11 +158,7 @@ fn the_stats_line_and_chat_report_speculation() {
 
 #[test]
 fn bad_speculation_flags_are_refused() {
-    let base = |extra: &[&str]| {
-        let mut args = vec!["generate", "--model", "/nonexistent", "--prompt", "x"];
-        args.extend_from_slice(extra);
-        run(&args)
-    };
+    let base = |extra: &[&str]| Generate::new("/nonexistent", "x").args(extra).run();
     base(&["--speculate", "draft"]).assert_usage_error(&["--speculate draft needs --draft-model"]);
     base(&["--speculate", "off", "--draft-model", "/x"])
         .assert_usage_error(&["--draft-model is unused with --speculate off"]);
@@ -218,27 +176,15 @@ fn a_draft_model_of_another_vocabulary_is_refused_naming_both() {
     let Some(m) = dir() else { return };
     // A copy whose config claims more rows than the target has: refused
     // before its weights are read.
-    let big = tempfile::tempdir().unwrap();
-    for e in std::fs::read_dir(&m).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), big.path().join(e.file_name())).unwrap();
-    }
+    let big = tiny_model_copy().unwrap();
     let cfg = big.path().join("config.json");
     let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
     c["vocab_size"] = 152_064.into();
     std::fs::write(&cfg, c.to_string()).unwrap();
     let draft = big.path().to_string_lossy().into_owned();
-    let r = run(&[
-        "generate",
-        "--model",
-        &m,
-        "--draft-model",
-        &draft,
-        "--prompt",
-        "x",
-        "--backend",
-        "cpu",
-    ]);
+    let r = Generate::cpu(&m, "x")
+        .args(&["--draft-model", &draft])
+        .run();
     r.assert_error(&["draft model", &draft, "cannot draft for", &m, "152063"]);
 }
 
@@ -255,14 +201,13 @@ fn bench_prompts_compares_plain_and_speculative_decoding() {
     )
     .unwrap();
     let p = prompts.to_string_lossy().into_owned();
-    let r = run(&[
-        "bench",
-        "--model",
-        &m,
-        "--backend",
-        "cpu",
-        "--prompts",
-        &p,
+    // `bench --prompts` on the tiny model (CPU), plus `extra`.
+    let bench = |extra: &[&str]| {
+        let mut args = vec!["bench", "--model", &m, "--backend", "cpu", "--prompts", &p];
+        args.extend_from_slice(extra);
+        run(&args)
+    };
+    let r = bench(&[
         "--speculate",
         "ngram",
         "--speculate-always",
@@ -292,44 +237,13 @@ fn bench_prompts_compares_plain_and_speculative_decoding() {
     assert_eq!(s["identical"], true);
     assert_eq!(s["speculate"], "ngram");
     // Text: one line per prompt and the summary.
-    let r = run(&[
-        "bench",
-        "--model",
-        &m,
-        "--backend",
-        "cpu",
-        "--prompts",
-        &p,
-        "--max-new-tokens",
-        "4",
-    ]);
+    let r = bench(&["--max-new-tokens", "4"]);
     r.assert_ok();
     assert!(r.stdout.contains("all 2 prompts on cpu"), "{r:#?}");
     assert!(r.stdout.contains("identical: yes"), "{r:#?}");
     // The tiny model holds 256 positions.
-    run(&[
-        "bench",
-        "--model",
-        &m,
-        "--backend",
-        "cpu",
-        "--prompts",
-        &p,
-        "--max-new-tokens",
-        "300",
-    ])
-    .assert_error(&["--max-new-tokens 300", "max_position_embeddings (256)"]);
+    bench(&["--max-new-tokens", "300"])
+        .assert_error(&["--max-new-tokens 300", "max_position_embeddings (256)"]);
     // --speculate off has nothing to compare.
-    run(&[
-        "bench",
-        "--model",
-        &m,
-        "--backend",
-        "cpu",
-        "--prompts",
-        &p,
-        "--speculate",
-        "off",
-    ])
-    .assert_error(&["not off"]);
+    bench(&["--speculate", "off"]).assert_error(&["not off"]);
 }

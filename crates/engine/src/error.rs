@@ -90,3 +90,70 @@ impl EngineError {
         EngineError::Detokenize { source }
     }
 }
+
+/// `e` and its sources as one line, `a: b: c`, skipping a source whose text
+/// the line already holds (as [`EngineError::Backend`]'s message holds its
+/// source's): the form the CLI and the server report an error chain in.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        let t = s.to_string();
+        if !line.contains(&t) {
+            line.push_str(": ");
+            line.push_str(&t);
+        }
+        cur = s.source();
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error with a message and an optional source.
+    #[derive(Debug)]
+    struct Link(&'static str, Option<Box<Link>>);
+
+    impl std::fmt::Display for Link {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Link {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|l| l as _)
+        }
+    }
+
+    #[test]
+    fn error_chain_joins_the_sources_it_does_not_already_hold() {
+        let lone = Link("no GPU", None);
+        assert_eq!(error_chain(&lone), "no GPU");
+        let chain = Link(
+            "cannot open the device",
+            Some(Box::new(Link(
+                "driver refused",
+                Some(Box::new(Link("CUDA_ERROR_NO_DEVICE", None))),
+            ))),
+        );
+        assert_eq!(
+            error_chain(&chain),
+            "cannot open the device: driver refused: CUDA_ERROR_NO_DEVICE"
+        );
+        // The backend variant's message already holds its source's text.
+        let e = EngineError::Backend {
+            backend: "cudarc",
+            source: Box::new(Link(
+                "launch failed",
+                Some(Box::new(Link("out of memory", None))),
+            )),
+        };
+        assert_eq!(
+            error_chain(&e),
+            "cudarc backend: launch failed: out of memory"
+        );
+    }
+}

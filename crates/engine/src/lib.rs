@@ -39,7 +39,7 @@ pub mod text;
 pub use backend::{Backend, BackendKind, MultiStep, MultiStepOutput, StepOutput, MAX_STEP_TOKENS};
 pub use cpu::CpuBackend;
 pub use engine::{Engine, GenerateOptions, Generation, StopReason};
-pub use error::EngineError;
+pub use error::{error_chain, EngineError};
 pub use sampling::{Sampling, SamplingDefaults, SamplingRequest};
 pub use speculative::{SpeculateMode, SpeculativeOptions, SpeculativeStats};
 pub use text::{StopMatcher, TextDelta, TextStream};

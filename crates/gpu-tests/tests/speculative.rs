@@ -20,6 +20,21 @@ use qmk_model::tokenizer::Tokenizer;
 
 const NEW_TOKENS: usize = 64;
 
+/// `new_tokens` ids (end of text ignored) decoded in `mode` with every guess
+/// verified: the adaptive rule off.
+fn verify_every_guess(mode: SpeculateMode, new_tokens: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_new_tokens: new_tokens,
+        ignore_eos: true,
+        speculation: SpeculativeOptions {
+            mode,
+            adaptive: false,
+            ..SpeculativeOptions::default()
+        },
+        ..GenerateOptions::default()
+    }
+}
+
 fn speculative_equals_plain<D: Driver + 'static>() {
     let test = format!("speculative greedy == plain greedy ({})", D::NAME);
     let Some(_g) = gpu_or_skip(&test) else { return };
@@ -28,20 +43,12 @@ fn speculative_equals_plain<D: Driver + 'static>() {
     let mut prompt = synthetic_prompt(12, SEED);
     prompt.extend(prompt.clone());
     let capacity = prompt.len() + NEW_TOKENS;
-    let opts = |mode| GenerateOptions {
-        max_new_tokens: NEW_TOKENS,
-        ignore_eos: true,
-        speculation: SpeculativeOptions {
-            mode,
-            adaptive: false,
-            ..SpeculativeOptions::default()
-        },
-        ..GenerateOptions::default()
-    };
     let mut engine = Engine::new(open::<D>(&w, with_capacity(capacity)), w.config.vocab_size);
     let go = |e: &mut Engine<_>, mode| -> Generation {
-        e.generate(&prompt, &opts(mode), |_| ControlFlow::Continue(()))
-            .unwrap_or_else(|err| panic!("{test}: {}: {err}", mode.name()))
+        e.generate(&prompt, &verify_every_guess(mode, NEW_TOKENS), |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap_or_else(|err| panic!("{test}: {}: {err}", mode.name()))
     };
     let plain = go(&mut engine, SpeculateMode::Off);
     let ngram = go(&mut engine, SpeculateMode::Ngram);
@@ -117,16 +124,7 @@ fn real_goldens_speculative<D: Driver + 'static>() {
     let (mut proposed, mut accepted) = (0, 0);
     for (name, prompt) in &prompts {
         let mut go = |mode| {
-            let opts = GenerateOptions {
-                max_new_tokens: GOLDEN_TOKENS,
-                ignore_eos: true,
-                speculation: SpeculativeOptions {
-                    mode,
-                    adaptive: false,
-                    ..SpeculativeOptions::default()
-                },
-                ..GenerateOptions::default()
-            };
+            let opts = verify_every_guess(mode, GOLDEN_TOKENS);
             engine
                 .generate(prompt, &opts, |_| ControlFlow::Continue(()))
                 .unwrap_or_else(|e| panic!("{test}: {name}: {e}"))

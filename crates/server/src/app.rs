@@ -3,6 +3,7 @@
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::future::Future;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -22,8 +23,8 @@ use sha2::{Digest, Sha256};
 use tower_http::catch_panic::CatchPanicLayer;
 
 use crate::request::{
-    check_model, fit_to_context, generate_options, parse_body, ChatRequest, CompletionRequest,
-    PromptInput,
+    check_model, fit_to_context, generate_options, parse_body, ChatRequest, CommonFields,
+    CompletionRequest, Delivery, GenParams, PromptInput, WithCommon,
 };
 use crate::tools::{self, ToolCall, ToolStream};
 use crate::worker::{Event, Outcome, Ticket, Worker};
@@ -95,8 +96,8 @@ fn unix_now() -> u64 {
 /// and a 500 for a handler that panics.
 pub(crate) fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
-        .route("/v1/chat/completions", post(chat))
-        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(respond::<ChatRequest>))
+        .route("/v1/completions", post(respond::<CompletionRequest>))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth));
@@ -233,97 +234,228 @@ fn finish_reason(stop: StopReason) -> &'static str {
     }
 }
 
-async fn chat(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
-    let id = st.next_id("chatcmpl-");
-    match chat_response(&st, &id, body).await {
+/// What one OpenAI endpoint does its own way: the body it takes, how that
+/// becomes prompt ids, and the shape of its answer, whole or streamed. The
+/// rest (parse, validate, fit to the context, enqueue, answer) is
+/// [`respond`]'s, the same for every endpoint.
+trait Endpoint: WithCommon + Send + 'static {
+    /// What [`Endpoint::prompt_ids`] turns into prompt ids.
+    type Prompt: Send;
+    /// What the answer needs of the request besides [`Meta`].
+    type Reply: Send;
+    /// The start of its response ids.
+    const ID_PREFIX: &'static str;
+    /// The request field blamed for a prompt that leaves no room to generate.
+    const PROMPT_FIELD: &'static str;
+
+    /// The shared fields.
+    fn common(&self) -> &CommonFields;
+
+    /// Checks the request and splits it up.
+    fn check(&self) -> Result<(Self::Prompt, Self::Reply, GenParams, Delivery), ServerError>;
+
+    /// The prompt's token ids (CPU work goes off the async threads).
+    fn prompt_ids(
+        st: &AppState,
+        prompt: Self::Prompt,
+    ) -> impl Future<Output = Result<Vec<u32>, ServerError>> + Send;
+
+    /// How the streamed answer's chunks read.
+    fn stream(st: &Arc<AppState>, reply: Self::Reply, meta: Meta) -> Box<dyn ChunkFormat>;
+
+    /// The whole answer.
+    fn whole(st: &Arc<AppState>, reply: Self::Reply, meta: Meta, outcome: Outcome) -> Value;
+}
+
+/// The handler of endpoint `E`: its answer, or the logged refusal.
+async fn respond<E: Endpoint>(
+    State(st): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let id = st.next_id(E::ID_PREFIX);
+    match response::<E>(&st, &id, body).await {
         Ok(r) => r,
         Err(e) => st.refuse(&id, e),
     }
 }
 
-async fn chat_response(
+/// The answer to one request of endpoint `E`, or why it is refused.
+async fn response<E: Endpoint>(
     st: &Arc<AppState>,
     id: &str,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ServerError> {
     let bytes = read_body(body, st.max_body_bytes)?;
-    let req: ChatRequest = parse_body(&bytes)?;
-    check_model(req.common.model.as_deref(), &st.model.name)?;
-    let job = req.validate()?;
+    let req: E = parse_body(&bytes)?;
+    check_model(req.common().model.as_deref(), &st.model.name)?;
+    let (prompt, reply, params, delivery) = req.check()?;
     st.check_health()?;
-    let Some(template) = st.model.template.clone() else {
-        return Err(ServerError::invalid(
-            "the model has no chat template; use /v1/completions",
-            "messages",
-        ));
-    };
-    let tokenizer = st.model.tokenizer.clone();
-    let (messages, tools) = (job.messages.clone(), job.tools.clone());
-    // Rendering (fuel-bounded) and tokenizing take CPU: off the async threads.
-    let prompt_ids = tokio::task::spawn_blocking(move || {
-        let text = template
-            .render_with(&messages, tools.as_ref(), true)
-            .map_err(|e| {
-                ServerError::invalid(
-                    format!("the chat template cannot render these messages: {e}"),
-                    "messages",
-                )
-            })?;
-        tokenizer
-            .encode(&text)
-            .map_err(|e| ServerError::Internal(format!("tokenizer: {e}")))
-    })
-    .await
-    .map_err(|e| ServerError::Internal(format!("prompt rendering failed: {e}")))??;
+    let prompt_ids = E::prompt_ids(st, prompt).await?;
     let max_new = fit_to_context(
         prompt_ids.len(),
-        job.params.max_tokens,
+        params.max_tokens,
         st.worker.capacity(),
-        "messages",
+        E::PROMPT_FIELD,
     )?;
-    let (options, stops) = generate_options(&job.params, max_new, &st.model)?;
+    let (options, stops) = generate_options(&params, max_new, &st.model)?;
     let meta = Meta {
         id: id.to_string(),
         created: unix_now(),
         model: st.model.name.clone(),
         seed: options.sampling.seed,
         prompt_tokens: prompt_ids.len(),
-        include_usage: job.delivery.include_usage,
+        include_usage: delivery.include_usage,
     };
     let (work, ticket) = Ticket::new(id.to_string(), prompt_ids, options, stops);
     st.worker.submit(work)?;
-    let offered = job.tools.as_deref().map(tools::names);
-    if job.delivery.stream {
-        let stream = ChatStream {
+    if delivery.stream {
+        return Ok(sse_response(Chunks::new(
+            ticket,
+            E::stream(st, reply, meta),
+        )));
+    }
+    let outcome = collect(ticket).await?;
+    Ok(Json(E::whole(st, reply, meta, outcome)).into_response())
+}
+
+impl Endpoint for ChatRequest {
+    /// The messages and the tools, as the chat template takes them.
+    type Prompt = (Vec<Value>, Option<Vec<Value>>);
+    /// The names of the tools offered, if any.
+    type Reply = Option<Vec<String>>;
+    const ID_PREFIX: &'static str = "chatcmpl-";
+    const PROMPT_FIELD: &'static str = "messages";
+
+    fn common(&self) -> &CommonFields {
+        &self.common
+    }
+
+    fn check(&self) -> Result<(Self::Prompt, Self::Reply, GenParams, Delivery), ServerError> {
+        let job = self.validate()?;
+        let offered = job.tools.as_deref().map(tools::names);
+        Ok(((job.messages, job.tools), offered, job.params, job.delivery))
+    }
+
+    async fn prompt_ids(
+        st: &AppState,
+        (messages, tools): Self::Prompt,
+    ) -> Result<Vec<u32>, ServerError> {
+        let Some(template) = st.model.template.clone() else {
+            return Err(ServerError::invalid(
+                "the model has no chat template; use /v1/completions",
+                "messages",
+            ));
+        };
+        let tokenizer = st.model.tokenizer.clone();
+        // Rendering (fuel-bounded) and tokenizing take CPU: off the async threads.
+        tokio::task::spawn_blocking(move || {
+            let text = template
+                .render_with(&messages, tools.as_ref(), true)
+                .map_err(|e| {
+                    ServerError::invalid(
+                        format!("the chat template cannot render these messages: {e}"),
+                        "messages",
+                    )
+                })?;
+            tokenizer
+                .encode(&text)
+                .map_err(|e| ServerError::Internal(format!("tokenizer: {e}")))
+        })
+        .await
+        .map_err(|e| ServerError::Internal(format!("prompt rendering failed: {e}")))?
+    }
+
+    fn stream(st: &Arc<AppState>, offered: Self::Reply, meta: Meta) -> Box<dyn ChunkFormat> {
+        Box::new(ChatStream {
             meta,
             tools: offered.map(ToolStream::new),
             call_ids: CallIds(st.clone()),
-        };
-        return Ok(sse_response(Chunks::new(ticket, Box::new(stream))));
+        })
     }
-    let outcome = collect(ticket).await?;
-    let mut message = json!({"role": "assistant", "content": outcome.text});
-    let mut finish = finish_reason(outcome.stop);
-    if let Some(parsed) = offered.and_then(|names| tools::parse(&outcome.text, &names)) {
-        message["content"] = json!(parsed.content);
-        message["tool_calls"] = tool_calls_json(&parsed.calls, &CallIds(st.clone()), false);
-        finish = "tool_calls";
+
+    fn whole(st: &Arc<AppState>, offered: Self::Reply, meta: Meta, outcome: Outcome) -> Value {
+        let mut message = json!({"role": "assistant", "content": outcome.text});
+        let mut finish = finish_reason(outcome.stop);
+        if let Some(parsed) = offered.and_then(|names| tools::parse(&outcome.text, &names)) {
+            message["content"] = json!(parsed.content);
+            message["tool_calls"] = tool_calls_json(&parsed.calls, &CallIds(st.clone()), false);
+            finish = "tool_calls";
+        }
+        json!({
+            "id": meta.id,
+            "object": "chat.completion",
+            "created": meta.created,
+            "model": meta.model,
+            "seed": meta.seed,
+            "choices": [{
+                "index": 0,
+                "message": message,
+                "logprobs": null,
+                "finish_reason": finish,
+            }],
+            "usage": meta.usage(outcome.output_ids.len()),
+        })
     }
-    Ok(Json(json!({
-        "id": meta.id,
-        "object": "chat.completion",
-        "created": meta.created,
-        "model": meta.model,
-        "seed": meta.seed,
-        "choices": [{
-            "index": 0,
-            "message": message,
-            "logprobs": null,
-            "finish_reason": finish,
-        }],
-        "usage": meta.usage(outcome.output_ids.len()),
-    }))
-    .into_response())
+}
+
+impl Endpoint for CompletionRequest {
+    type Prompt = PromptInput;
+    /// Nothing: the answer is the text.
+    type Reply = ();
+    const ID_PREFIX: &'static str = "cmpl-";
+    const PROMPT_FIELD: &'static str = "prompt";
+
+    fn common(&self) -> &CommonFields {
+        &self.common
+    }
+
+    fn check(&self) -> Result<(Self::Prompt, Self::Reply, GenParams, Delivery), ServerError> {
+        let (prompt, params, delivery) = self.validate()?;
+        Ok((prompt, (), params, delivery))
+    }
+
+    async fn prompt_ids(st: &AppState, prompt: Self::Prompt) -> Result<Vec<u32>, ServerError> {
+        match prompt {
+            PromptInput::Ids(ids) => {
+                let vocab = st.model.vocab_size;
+                if let Some((i, id)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+                    return Err(ServerError::invalid(
+                        format!("prompt token {i} is {id}, outside the vocabulary of {vocab}"),
+                        "prompt",
+                    ));
+                }
+                Ok(ids)
+            }
+            PromptInput::Text(text) => {
+                let tokenizer = st.model.tokenizer.clone();
+                tokio::task::spawn_blocking(move || tokenizer.encode(&text))
+                    .await
+                    .map_err(|e| ServerError::Internal(format!("tokenizing failed: {e}")))?
+                    .map_err(|e| ServerError::Internal(format!("tokenizer: {e}")))
+            }
+        }
+    }
+
+    fn stream(_: &Arc<AppState>, (): Self::Reply, meta: Meta) -> Box<dyn ChunkFormat> {
+        Box::new(CompletionStream { meta })
+    }
+
+    fn whole(_: &Arc<AppState>, (): Self::Reply, meta: Meta, outcome: Outcome) -> Value {
+        json!({
+            "id": meta.id,
+            "object": "text_completion",
+            "created": meta.created,
+            "model": meta.model,
+            "seed": meta.seed,
+            "choices": [{
+                "index": 0,
+                "text": outcome.text,
+                "logprobs": null,
+                "finish_reason": finish_reason(outcome.stop),
+            }],
+            "usage": meta.usage(outcome.output_ids.len()),
+        })
+    }
 }
 
 /// Mints tool-call ids.
@@ -359,87 +491,6 @@ async fn collect(mut ticket: Ticket) -> Result<Outcome, ServerError> {
     Err(ServerError::Unavailable(
         "the engine thread has stopped".into(),
     ))
-}
-
-async fn completions(
-    State(st): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let id = st.next_id("cmpl-");
-    match completion_response(&st, &id, body).await {
-        Ok(r) => r,
-        Err(e) => st.refuse(&id, e),
-    }
-}
-
-async fn completion_response(
-    st: &Arc<AppState>,
-    id: &str,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ServerError> {
-    let bytes = read_body(body, st.max_body_bytes)?;
-    let req: CompletionRequest = parse_body(&bytes)?;
-    check_model(req.common.model.as_deref(), &st.model.name)?;
-    let (prompt, params, delivery) = req.validate()?;
-    st.check_health()?;
-    let prompt_ids = match prompt {
-        PromptInput::Ids(ids) => {
-            let vocab = st.model.vocab_size;
-            if let Some((i, id)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
-                return Err(ServerError::invalid(
-                    format!("prompt token {i} is {id}, outside the vocabulary of {vocab}"),
-                    "prompt",
-                ));
-            }
-            ids
-        }
-        PromptInput::Text(text) => {
-            let tokenizer = st.model.tokenizer.clone();
-            tokio::task::spawn_blocking(move || tokenizer.encode(&text))
-                .await
-                .map_err(|e| ServerError::Internal(format!("tokenizing failed: {e}")))?
-                .map_err(|e| ServerError::Internal(format!("tokenizer: {e}")))?
-        }
-    };
-    let max_new = fit_to_context(
-        prompt_ids.len(),
-        params.max_tokens,
-        st.worker.capacity(),
-        "prompt",
-    )?;
-    let (options, stops) = generate_options(&params, max_new, &st.model)?;
-    let meta = Meta {
-        id: id.to_string(),
-        created: unix_now(),
-        model: st.model.name.clone(),
-        seed: options.sampling.seed,
-        prompt_tokens: prompt_ids.len(),
-        include_usage: delivery.include_usage,
-    };
-    let (work, ticket) = Ticket::new(id.to_string(), prompt_ids, options, stops);
-    st.worker.submit(work)?;
-    if delivery.stream {
-        return Ok(sse_response(Chunks::new(
-            ticket,
-            Box::new(CompletionStream { meta }),
-        )));
-    }
-    let outcome = collect(ticket).await?;
-    Ok(Json(json!({
-        "id": meta.id,
-        "object": "text_completion",
-        "created": meta.created,
-        "model": meta.model,
-        "seed": meta.seed,
-        "choices": [{
-            "index": 0,
-            "text": outcome.text,
-            "logprobs": null,
-            "finish_reason": finish_reason(outcome.stop),
-        }],
-        "usage": meta.usage(outcome.output_ids.len()),
-    }))
-    .into_response())
 }
 
 /// How one endpoint turns a job's events into stream chunks.

@@ -304,7 +304,7 @@ fn run<B: Backend>(
         ControlFlow::Continue(())
     });
     let generation = generation.map_err(|e| match e {
-        EngineError::Backend { .. } => ServerError::Unavailable(flatten(&e)),
+        EngineError::Backend { .. } => ServerError::Unavailable(qmk_engine::error_chain(&e)),
         other => ServerError::Internal(other.to_string()),
     })?;
     let text = text.text().to_string();
@@ -318,21 +318,6 @@ fn run<B: Backend>(
         first_token: generation.prefill,
         speculation: generation.speculation,
     })
-}
-
-/// `e` and its causes as one line.
-fn flatten(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut line = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        let t = s.to_string();
-        if !line.contains(&t) {
-            line.push_str(": ");
-            line.push_str(&t);
-        }
-        cur = s.source();
-    }
-    line
 }
 
 /// The per-request log line.

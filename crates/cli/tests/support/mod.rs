@@ -80,6 +80,103 @@ pub fn tiny_model() -> Option<&'static Path> {
     .map(|d| d.path())
 }
 
+/// The tiny model's directory as an argument; `None` (skip) as for
+/// [`tiny_model`].
+pub fn tiny_model_arg() -> Option<String> {
+    tiny_model().map(|p| p.to_string_lossy().into_owned())
+}
+
+/// A copy of the tiny model in a fresh temporary directory, for a test that
+/// changes its files; `None` (skip) as for [`tiny_model`].
+pub fn tiny_model_copy() -> Option<tempfile::TempDir> {
+    let src = tiny_model()?;
+    let tmp = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
+    }
+    Some(tmp)
+}
+
+/// A `qwen-mk generate` command line, built flag by flag: the flags most
+/// runs repeat have a method each, the rest go in through [`Generate::args`].
+#[derive(Debug, Clone)]
+pub struct Generate {
+    args: Vec<String>,
+}
+
+impl Generate {
+    /// `generate --model MODEL --prompt PROMPT` (backend left to `auto`).
+    pub fn new(model: &str, prompt: &str) -> Self {
+        Generate {
+            args: ["generate", "--model", model, "--prompt", prompt]
+                .map(String::from)
+                .to_vec(),
+        }
+    }
+
+    /// `generate --model MODEL --prompt PROMPT --backend cpu`.
+    pub fn cpu(model: &str, prompt: &str) -> Self {
+        Self::new(model, prompt).args(&["--backend", "cpu"])
+    }
+
+    /// `--max-new-tokens N`.
+    pub fn max_new_tokens(self, n: &str) -> Self {
+        self.args(&["--max-new-tokens", n])
+    }
+
+    /// `--max-new-tokens N --ignore-eos`: exactly `n` new tokens.
+    pub fn exactly(self, n: &str) -> Self {
+        self.max_new_tokens(n).args(&["--ignore-eos"])
+    }
+
+    /// `--raw`: the prompt without the chat template.
+    pub fn raw(self) -> Self {
+        self.args(&["--raw"])
+    }
+
+    /// `--temperature 0`: greedy, whatever the model's defaults.
+    pub fn greedy(self) -> Self {
+        self.args(&["--temperature", "0"])
+    }
+
+    /// `--json`.
+    pub fn json(self) -> Self {
+        self.args(&["--json"])
+    }
+
+    /// Any other flags, in order.
+    pub fn args(mut self, extra: &[&str]) -> Self {
+        self.args.extend(extra.iter().map(|a| a.to_string()));
+        self
+    }
+
+    /// The command line, without the program name.
+    pub fn argv(&self) -> Vec<&str> {
+        self.args.iter().map(String::as_str).collect()
+    }
+
+    /// Runs it with [`run`].
+    pub fn run(&self) -> Run {
+        run(&self.argv())
+    }
+}
+
+/// `chat --model MODEL --backend cpu --max-new-tokens N`, plus `extra`.
+pub fn chat_args<'a>(model: &'a str, new_tokens: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec![
+        "chat",
+        "--model",
+        model,
+        "--backend",
+        "cpu",
+        "--max-new-tokens",
+        new_tokens,
+    ];
+    a.extend_from_slice(extra);
+    a
+}
+
 /// What a run of the binary produced.
 #[derive(Debug)]
 pub struct Run {
