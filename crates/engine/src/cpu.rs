@@ -125,14 +125,8 @@ mod tests {
     /// The tiny model with `kv_heads` KV heads for its 4 query heads, tied
     /// or untied embeddings.
     fn tiny_with(kv_heads: usize, tied: bool) -> Arc<Weights> {
-        let mut c = qmk_model::Config::preset("0.5b").unwrap();
-        c.hidden_size = 64;
-        c.intermediate_size = 96;
-        c.num_hidden_layers = 2;
-        c.num_attention_heads = 4;
+        let mut c = crate::test_models::tiny_config(64, 96, 16, 300);
         c.num_key_value_heads = Some(kv_heads);
-        c.head_dim = Some(16);
-        c.vocab_size = 300;
         c.tie_word_embeddings = tied;
         Arc::new(qmk_model::synthetic_weights(&c, 42))
     }

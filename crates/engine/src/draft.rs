@@ -626,15 +626,7 @@ mod tests {
     }
 
     fn tiny_config() -> qmk_model::Config {
-        let mut c = qmk_model::Config::preset("0.5b").unwrap();
-        c.hidden_size = 64;
-        c.intermediate_size = 96;
-        c.num_hidden_layers = 2;
-        c.num_attention_heads = 4;
-        c.num_key_value_heads = Some(2);
-        c.head_dim = Some(16);
-        c.vocab_size = 300;
-        c
+        crate::test_models::tiny_config(64, 96, 16, 300)
     }
 
     #[test]

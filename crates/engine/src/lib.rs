@@ -34,6 +34,8 @@ mod engine;
 mod error;
 pub mod sampling;
 pub mod speculative;
+#[cfg(test)]
+mod test_models;
 pub mod text;
 
 pub use backend::{Backend, BackendKind, MultiStep, MultiStepOutput, StepOutput, MAX_STEP_TOKENS};

@@ -514,14 +514,7 @@ mod tests {
     use crate::{BackendKind, CpuBackend, Engine, MultiStepOutput, StepOutput};
 
     fn tiny(seed: u64) -> Arc<Weights> {
-        let mut c = qmk_model::Config::preset("0.5b").unwrap();
-        c.hidden_size = 64;
-        c.intermediate_size = 96;
-        c.num_hidden_layers = 2;
-        c.num_attention_heads = 4;
-        c.num_key_value_heads = Some(2);
-        c.head_dim = Some(16);
-        c.vocab_size = 300;
+        let c = crate::test_models::tiny_config(64, 96, 16, 300);
         Arc::new(qmk_model::synthetic_weights(&c, seed))
     }
 
@@ -908,14 +901,7 @@ mod tests {
     const STAT_NEW: usize = 4;
 
     fn stat_weights(seed: u64) -> Arc<Weights> {
-        let mut c = qmk_model::Config::preset("0.5b").unwrap();
-        c.hidden_size = 32;
-        c.intermediate_size = 64;
-        c.num_hidden_layers = 2;
-        c.num_attention_heads = 4;
-        c.num_key_value_heads = Some(2);
-        c.head_dim = Some(8);
-        c.vocab_size = STAT_VOCAB;
+        let c = crate::test_models::tiny_config(32, 64, 8, STAT_VOCAB);
         Arc::new(qmk_model::synthetic_weights(&c, seed))
     }
 
