@@ -648,11 +648,7 @@ mod tests {
         let cap = prompt.len() + n;
         let opts = |mode| GenerateOptions {
             max_new_tokens: n,
-            speculation: SpeculativeOptions {
-                mode,
-                adaptive: false,
-                ..SpeculativeOptions::default()
-            },
+            speculation: SpeculativeOptions::always(mode),
             ..GenerateOptions::default()
         };
         let mut e = Engine::new(CpuBackend::new(target.clone(), cap).unwrap(), 300);

@@ -136,6 +136,17 @@ impl SpeculativeOptions {
         }
     }
 
+    /// Speculation in `mode` on every step: the adaptive rule off, so every
+    /// guess is verified however few are accepted (tests and benchmarks of
+    /// the verify path).
+    pub fn always(mode: SpeculateMode) -> Self {
+        Self {
+            mode,
+            adaptive: false,
+            ..Self::default()
+        }
+    }
+
     /// Rejects values that have no meaning, naming the field.
     pub fn validate(&self) -> Result<(), EngineError> {
         if !(1..MAX_STEP_TOKENS).contains(&self.max_draft) {
@@ -1061,11 +1072,7 @@ mod tests {
         let opts = |mode| GenerateOptions {
             max_new_tokens: STAT_NEW,
             sampling: stat_sampling(0),
-            speculation: SpeculativeOptions {
-                mode,
-                adaptive: false,
-                ..SpeculativeOptions::default()
-            },
+            speculation: SpeculativeOptions::always(mode),
             ..GenerateOptions::default()
         };
         let mut e = Engine::new(CpuBackend::new(w.clone(), cap).unwrap(), STAT_VOCAB);

@@ -26,11 +26,7 @@ fn verify_every_guess(mode: SpeculateMode, new_tokens: usize) -> GenerateOptions
     GenerateOptions {
         max_new_tokens: new_tokens,
         ignore_eos: true,
-        speculation: SpeculativeOptions {
-            mode,
-            adaptive: false,
-            ..SpeculativeOptions::default()
-        },
+        speculation: SpeculativeOptions::always(mode),
         ..GenerateOptions::default()
     }
 }
