@@ -93,3 +93,30 @@ __global__ void stream_read(const uint4* p, uint64_t n, unsigned* sink) {
     for (; i < n; i += stride) acc ^= __ldg(p + i).x;
     if (acc == 0x12345678u) *sink = acc;
 }
+
+// Best of launches 2-5 of `launch` (the first warms up), milliseconds.
+template <class Launch>
+float best_ms(Launch launch) {
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    float best = 1e9f;
+    for (int r = 0; r < 5; ++r) {
+        cudaEventRecord(e0);
+        launch();
+        cudaEventRecord(e1);
+        CK(cudaEventSynchronize(e1));
+        CK(cudaGetLastError());
+        float ms;
+        cudaEventElapsedTime(&ms, e0, e1);
+        if (r) best = std::min(best, ms);
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return best;
+}
+
+// The plain read of `bytes` at p (a multiple of 16), milliseconds.
+inline float plain_read_ms(const void* p, uint64_t bytes, int sms, unsigned* sink) {
+    return best_ms([&] { stream_read<<<sms * 4, 512>>>(reinterpret_cast<const uint4*>(p), bytes / 16, sink); });
+}

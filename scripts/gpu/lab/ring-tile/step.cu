@@ -8,11 +8,14 @@
 // its matrix by an f32 vector loaded from device memory into shared memory;
 // each CTA owns a contiguous balanced share of the rows. A grid barrier
 // follows every phase: one thread per CTA does a release add and an acquire
-// spin, as the kernel does. Two ways to read the weights:
+// spin on a counter that only grows, as the kernel does. Two ways to read
+// the weights:
 //
 //   direct  16 warps load their rows from device memory (16-byte loads, 8
 //           in flight per lane), rows of the share warp-strided. This is
-//           the kernel on main, without attention and norms.
+//           the kernel on main without attention and norms, except that the
+//           kernel spreads a phase's last partial round over every SM's
+//           warps, which matters at 0.5B (a few rows per CTA).
 //   ring    warp 15 streams the CTA's share of every phase, layer after
 //           layer, into fixed ring slots of one tile each (G <= 15 rows x
 //           KT columns, one bulk copy per row from G lanes), and waits only
@@ -71,7 +74,8 @@ __device__ __forceinline__ uint4 ldg16(const uint4* p) {
     return v;
 }
 
-__global__ void __launch_bounds__(512, 1) step_direct(Model m, const float* xg, unsigned long long* arrived) {
+__global__ void __launch_bounds__(512, 1)
+    step_direct(Model m, const float* xg, unsigned long long* arrived, unsigned long long base) {
     extern __shared__ __align__(128) unsigned char dyn[];
     float* xs = reinterpret_cast<float*>(dyn);
     const float4* xs4 = reinterpret_cast<const float4*>(xs);
@@ -107,13 +111,14 @@ __global__ void __launch_bounds__(512, 1) step_direct(Model m, const float* xg, 
             if (lane == 0) y[r] = acc;
         }
         __syncthreads();
-        if (threadIdx.x == 0) grid_arrive_wait(arrived, (unsigned long long)(n + 1) * gridDim.x);
+        if (threadIdx.x == 0) grid_arrive_wait(arrived, base + (unsigned long long)(n + 1) * gridDim.x);
         __syncthreads();
     }
 }
 
 __global__ void __launch_bounds__(512, 1)
-    step_ring(Model m, const float* xg, unsigned long long* arrived, unsigned x_bytes, unsigned ring_bytes, unsigned kt) {
+    step_ring(Model m, const float* xg, unsigned long long* arrived, unsigned long long base, unsigned x_bytes,
+              unsigned ring_bytes, unsigned kt) {
     extern __shared__ __align__(128) unsigned char dyn[];
     __shared__ uint64_t full[kSlots], empty[kSlots];
     float* xs = reinterpret_cast<float*>(dyn);
@@ -193,7 +198,7 @@ __global__ void __launch_bounds__(512, 1)
             if (mine && lane == 0) y[g0 + warp] = acc;
         }
         consumers_sync();
-        if (threadIdx.x == 0) grid_arrive_wait(arrived, (unsigned long long)(n + 1) * gridDim.x);
+        if (threadIdx.x == 0) grid_arrive_wait(arrived, base + (unsigned long long)(n + 1) * gridDim.x);
         consumers_sync();
     }
 }
@@ -214,9 +219,6 @@ int main() {
     unsigned long long* arrived;
     CK(cudaMalloc(&sink, 4));
     CK(cudaMalloc(&arrived, 8));
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
 
     struct Shape { const char* name; unsigned H, Q, KV, I, V, L; };
     const Shape shapes[] = {{"0.5B", 896, 896, 128, 4864, 151936, 24},
@@ -253,39 +255,21 @@ int main() {
         for (int t = 0; t < 5; ++t) m.w[t] = W + wofs[t];
         const uint64_t bytes = welems * 2;
 
-        float read_ms = 1e9f;
-        for (int r = 0; r < 5; ++r) {
-            cudaEventRecord(e0);
-            stream_read<<<sms * 4, 512>>>(reinterpret_cast<const uint4*>(W), bytes / 16, sink);
-            cudaEventRecord(e1);
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            cudaEventElapsedTime(&ms, e0, e1);
-            if (r) read_ms = std::min(read_ms, ms);
-        }
+        const float read_ms = plain_read_ms(W, bytes, sms, sink);
         const unsigned xmax = std::max(std::max(sh.H, sh.Q), sh.I);
         const unsigned x_bytes = (xmax * 4 + 127) / 128 * 128;
         printf("== %s: %u layers, %.2f GB of weights; plain read %.0f GB/s (%.1f us); vector %u B\n", sh.name, sh.L,
                bytes / 1e9, bytes / read_ms / 1e6, read_ms * 1e3, x_bytes);
         std::vector<float> hd(yelems), hr(yelems);
 
-        auto time = [&](auto launch) {
-            float best = 1e9f;
-            for (int r = 0; r < 5; ++r) {
-                CK(cudaMemset(arrived, 0, 8));
-                cudaEventRecord(e0);
-                launch();
-                cudaEventRecord(e1);
-                CK(cudaEventSynchronize(e1));
-                CK(cudaGetLastError());
-                float ms;
-                cudaEventElapsedTime(&ms, e0, e1);
-                if (r) best = std::min(best, ms);
-            }
-            return best;
-        };
         for (int t = 0; t < 5; ++t) m.y[t] = y_direct + yofs[t];
-        const float direct_ms = time([&] { step_direct<<<sms, 512, x_bytes>>>(m, xg, arrived); });
+        // The barrier counter only grows: each launch starts from where the
+        // last one left it.
+        const unsigned long long per_launch = (4ull * sh.L + 1) * sms;
+        unsigned long long launches = 0;
+        CK(cudaMemset(arrived, 0, 8));
+        const float direct_ms =
+            best_ms([&] { step_direct<<<sms, 512, x_bytes>>>(m, xg, arrived, per_launch * launches++); });
         CK(cudaMemcpy(hd.data(), y_direct, yelems * 4, cudaMemcpyDeviceToHost));
         printf("direct                    : %8.1f us  %5.1f %% of read\n", direct_ms * 1e3, 100.0 * read_ms / direct_ms);
         for (int t = 0; t < 5; ++t) m.y[t] = y_ring + yofs[t];
@@ -294,8 +278,9 @@ int main() {
                 const unsigned ring_bytes = (target - x_bytes - 128) / 128 * 128;
                 if (ring_bytes / (15u * kt * 2u) < 2) continue;
                 CK(cudaMemset(y_ring, 0xff, yelems * 4));
-                const float ms = time([&] {
-                    step_ring<<<sms, 512, x_bytes + ring_bytes + 128>>>(m, xg, arrived, x_bytes, ring_bytes, kt);
+                const float ms = best_ms([&] {
+                    step_ring<<<sms, 512, x_bytes + ring_bytes + 128>>>(m, xg, arrived, per_launch * launches++,
+                                                                        x_bytes, ring_bytes, kt);
                 });
                 CK(cudaMemcpy(hr.data(), y_ring, yelems * 4, cudaMemcpyDeviceToHost));
                 const bool same = memcmp(hd.data(), hr.data(), yelems * 4) == 0;

@@ -178,9 +178,6 @@ int main() {
     CK(cudaFuncSetAttribute(ring_matvec, cudaFuncAttributeMaxDynamicSharedMemorySize, 226 * 1024));
     unsigned* sink;
     CK(cudaMalloc(&sink, 4));
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
 
     struct Shape { const char* name; unsigned K, R, L; };
     // 7B: down [3584, 18944] and one of gate/up [18944, 3584], 8 layers of
@@ -213,16 +210,7 @@ int main() {
         std::vector<float> href((uint64_t)sh.L * sh.R), hy(href.size());
         CK(cudaMemcpy(href.data(), yref, href.size() * 4, cudaMemcpyDeviceToHost));
 
-        float read_ms = 1e9f;
-        for (int r = 0; r < 5; ++r) {
-            cudaEventRecord(e0);
-            stream_read<<<sms * 4, 512>>>(reinterpret_cast<const uint4*>(W), bytes / 16, sink);
-            cudaEventRecord(e1);
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            cudaEventElapsedTime(&ms, e0, e1);
-            if (r) read_ms = std::min(read_ms, ms);
-        }
+        const float read_ms = plain_read_ms(W, bytes, sms, sink);
         const double read_gbs = bytes / read_ms / 1e6;
         printf("== %s: W [%u][%u][%u] bf16, %.2f GB; plain read %.0f GB/s\n", sh.name, sh.L, sh.R, sh.K, bytes / 1e9,
                read_gbs);
@@ -253,18 +241,9 @@ int main() {
                     continue;
                 }
             }
-            float best = 1e9f;
-            for (int r = 0; r < 5; ++r) {
-                CK(cudaMemset(y, 0xff, (uint64_t)sh.L * sh.R * 4));
-                cudaEventRecord(e0);
-                ring_matvec<<<sms, kWarps * 32, c.x_bytes + c.ring_bytes + 128>>>(tmap, W, c, y);
-                cudaEventRecord(e1);
-                CK(cudaEventSynchronize(e1));
-                CK(cudaGetLastError());
-                float ms;
-                cudaEventElapsedTime(&ms, e0, e1);
-                if (r) best = std::min(best, ms);
-            }
+            CK(cudaMemset(y, 0xff, (uint64_t)sh.L * sh.R * 4));
+            const float best = best_ms(
+                [&] { ring_matvec<<<sms, kWarps * 32, c.x_bytes + c.ring_bytes + 128>>>(tmap, W, c, y); });
             CK(cudaMemcpy(hy.data(), y, hy.size() * 4, cudaMemcpyDeviceToHost));
             const bool same = memcmp(hy.data(), href.data(), hy.size() * 4) == 0;
             const double gbs = bytes / best / 1e6;
