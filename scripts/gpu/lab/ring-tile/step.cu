@@ -58,6 +58,23 @@ __device__ __forceinline__ unsigned group_rows(unsigned share_rows) {
     return groups == 0 ? 1u : (share_rows + groups - 1u) / groups;
 }
 
+// This CTA's tiles of a phase of R rows x K columns, in the one order the
+// producer sends them and the readers take them: groups [g0, g0 + nrows)
+// of its share, each cut into tiles of at most kt columns from k0.
+// tile(g0, nrows, k0, kk, b) runs per tile, b counting the CTA's tiles over
+// the step; done(g0, nrows) after a group's last tile.
+template <class Tile, class Done>
+__device__ __forceinline__ void walk_tiles(unsigned R, unsigned K, unsigned kt, unsigned& b, Tile tile, Done done) {
+    unsigned lo_, hi_;
+    share(R, lo_, hi_);
+    const unsigned G = group_rows(hi_ - lo_);
+    for (unsigned g0 = lo_; g0 < hi_; g0 += G) {
+        const unsigned nrows = min_u(G, hi_ - g0);
+        for (unsigned k0 = 0; k0 < K; k0 += kt, ++b) tile(g0, nrows, k0, min_u(kt, K - k0), b);
+        done(g0, nrows);
+    }
+}
+
 __device__ __forceinline__ void grid_arrive_wait(unsigned long long* arrived, unsigned long long target) {
     asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(arrived) : "memory");
     unsigned long long v;
@@ -146,21 +163,18 @@ __global__ void __launch_bounds__(512, 1)
             float* y;
             unsigned R, K;
             phase(m, n, W, y, R, K);
-            unsigned lo_, hi_;
-            share(R, lo_, hi_);
-            const unsigned G = group_rows(hi_ - lo_);
-            for (unsigned g0 = lo_; g0 < hi_; g0 += G) {
-                const unsigned nrows = min_u(G, hi_ - g0);
-                for (unsigned k0 = 0; k0 < K; k0 += kt, ++b) {
-                    const unsigned kk = min_u(kt, K - k0), s = b % slots;
-                    if (b >= slots) mbar_wait(&empty[s], ((b / slots) - 1) & 1);
+            walk_tiles(
+                R, K, kt, b,
+                [&](unsigned g0, unsigned nrows, unsigned k0, unsigned kk, unsigned bt) {
+                    const unsigned s = bt % slots;
+                    if (bt >= slots) mbar_wait(&empty[s], ((bt / slots) - 1) & 1);
                     if (lane == 0) mbar_expect(&full[s], nrows * kk * 2);
                     __syncwarp();
                     if (lane < nrows)
                         bulk(ring + s * slot_bytes + lane * kk * 2, W + (uint64_t)(g0 + lane) * K + k0, kk * 2,
                              &full[s]);
-                }
-            }
+                },
+                [](unsigned, unsigned) {});
         }
         return;
     }
@@ -173,16 +187,13 @@ __global__ void __launch_bounds__(512, 1)
         phase(m, n, W, y, R, K);
         for (unsigned i = threadIdx.x; i < K; i += kConsumers) xs[i] = xg[i];
         consumers_sync();
-        unsigned lo_, hi_;
-        share(R, lo_, hi_);
-        const unsigned G = group_rows(hi_ - lo_);
-        for (unsigned g0 = lo_; g0 < hi_; g0 += G) {
-            const bool mine = warp < min_u(G, hi_ - g0);
-            float acc = 0.0f;
-            for (unsigned k0 = 0; k0 < K; k0 += kt, ++b) {
-                const unsigned kk = min_u(kt, K - k0), s = b % slots;
-                mbar_wait(&full[s], (b / slots) & 1);
-                if (mine) {
+        float acc = 0.0f;
+        walk_tiles(
+            R, K, kt, b,
+            [&](unsigned g0, unsigned nrows, unsigned k0, unsigned kk, unsigned bt) {
+                const unsigned s = bt % slots;
+                mbar_wait(&full[s], (bt / slots) & 1);
+                if (warp < nrows) {
                     const unsigned base = ring + s * slot_bytes + warp * kk * 2;
                     // kk may end in half a chunk (0.5B's 896 columns).
                     for (unsigned ch = 0; ch * 256 < kk; ++ch) {
@@ -193,10 +204,12 @@ __global__ void __launch_bounds__(512, 1)
                 }
                 __syncwarp();
                 if (lane == 0) mbar_arrive(&empty[s]);
-            }
-            acc = warp_sum(acc);
-            if (mine && lane == 0) y[g0 + warp] = acc;
-        }
+            },
+            [&](unsigned g0, unsigned nrows) {
+                acc = warp_sum(acc);
+                if (warp < nrows && lane == 0) y[g0 + warp] = acc;
+                acc = 0.0f;
+            });
         consumers_sync();
         if (threadIdx.x == 0) grid_arrive_wait(arrived, base + (unsigned long long)(n + 1) * gridDim.x);
         consumers_sync();
