@@ -41,14 +41,18 @@ struct Model {
     unsigned layers;
 };
 
-// Phase n of the step (n < 4 x layers + 1): its matrix, rows, width, output.
-__device__ __forceinline__ void phase(const Model& m, unsigned n, const uint16_t*& W, float*& y, unsigned& R,
-                                      unsigned& K) {
+// Phase n of the step (n < 4 x layers + 1): its matrix W [R][K] and its
+// output y [R].
+struct Phase {
+    const uint16_t* W;
+    float* y;
+    unsigned R, K;
+};
+__device__ __forceinline__ Phase phase(const Model& m, unsigned n) {
     const unsigned t = n < 4 * m.layers ? n % 4 : 4, layer = n / 4;
-    R = m.R[t];
-    K = m.K[t];
-    W = m.w[t] + (t == 4 ? 0ull : (uint64_t)layer * R * K);
-    y = m.y[t] + (t == 4 ? 0ull : (uint64_t)layer * R);
+    const unsigned R = m.R[t], K = m.K[t];
+    return {m.w[t] + (t == 4 ? 0ull : (uint64_t)layer * R * K), m.y[t] + (t == 4 ? 0ull : (uint64_t)layer * R), R,
+            K};
 }
 
 // Rows per tile: the share cut into as few groups of at most 15 as possible,
@@ -99,33 +103,30 @@ __global__ void __launch_bounds__(512, 1)
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const unsigned phases = 4 * m.layers + 1;
     for (unsigned n = 0; n < phases; ++n) {
-        const uint16_t* W;
-        float* y;
-        unsigned R, K;
-        phase(m, n, W, y, R, K);
-        for (unsigned i = threadIdx.x; i < K; i += 512) xs[i] = xg[i];
+        const Phase ph = phase(m, n);
+        for (unsigned i = threadIdx.x; i < ph.K; i += 512) xs[i] = xg[i];
         __syncthreads();
         unsigned lo_, hi_;
-        share(R, lo_, hi_);
-        const unsigned nv = K / 8;
+        share(ph.R, lo_, hi_);
+        const unsigned nv = ph.K / 8;
         for (unsigned r = lo_ + warp; r < hi_; r += 16) {
-            const uint4* w = reinterpret_cast<const uint4*>(W + (uint64_t)r * K);
+            const uint4* w = reinterpret_cast<const uint4*>(ph.W + (uint64_t)r * ph.K);
             float acc = 0.0f;
-            for (unsigned base = 0; base < nv; base += 32 * 8) {
+            for (unsigned v0 = 0; v0 < nv; v0 += 32 * 8) {
                 uint4 v[8];
 #pragma unroll
                 for (unsigned u = 0; u < 8; ++u) {
-                    const unsigned i = base + u * 32 + lane;
+                    const unsigned i = v0 + u * 32 + lane;
                     v[u] = i < nv ? ldg16(w + i) : make_uint4(0, 0, 0, 0);
                 }
 #pragma unroll
                 for (unsigned u = 0; u < 8; ++u) {
-                    const unsigned i = base + u * 32 + lane;
+                    const unsigned i = v0 + u * 32 + lane;
                     if (i < nv) acc = dot8(v[u], xs4[2 * i], xs4[2 * i + 1], acc);
                 }
             }
             acc = warp_sum(acc);
-            if (lane == 0) y[r] = acc;
+            if (lane == 0) ph.y[r] = acc;
         }
         __syncthreads();
         if (threadIdx.x == 0) grid_arrive_wait(arrived, base + (unsigned long long)(n + 1) * gridDim.x);
@@ -159,20 +160,17 @@ __global__ void __launch_bounds__(512, 1)
         // a free slot.
         unsigned b = 0;
         for (unsigned n = 0; n < phases; ++n) {
-            const uint16_t* W;
-            float* y;
-            unsigned R, K;
-            phase(m, n, W, y, R, K);
+            const Phase ph = phase(m, n);
             walk_tiles(
-                R, K, kt, b,
+                ph.R, ph.K, kt, b,
                 [&](unsigned g0, unsigned nrows, unsigned k0, unsigned kk, unsigned bt) {
                     const unsigned s = bt % slots;
                     if (bt >= slots) mbar_wait(&empty[s], ((bt / slots) - 1) & 1);
                     if (lane == 0) mbar_expect(&full[s], nrows * kk * 2);
                     __syncwarp();
                     if (lane < nrows)
-                        bulk(ring + s * slot_bytes + lane * kk * 2, W + (uint64_t)(g0 + lane) * K + k0, kk * 2,
-                             &full[s]);
+                        bulk(ring + s * slot_bytes + lane * kk * 2, ph.W + (uint64_t)(g0 + lane) * ph.K + k0,
+                             kk * 2, &full[s]);
                 },
                 [](unsigned, unsigned) {});
         }
@@ -181,25 +179,22 @@ __global__ void __launch_bounds__(512, 1)
 
     unsigned b = 0;
     for (unsigned n = 0; n < phases; ++n) {
-        const uint16_t* W;
-        float* y;
-        unsigned R, K;
-        phase(m, n, W, y, R, K);
-        for (unsigned i = threadIdx.x; i < K; i += kConsumers) xs[i] = xg[i];
+        const Phase ph = phase(m, n);
+        for (unsigned i = threadIdx.x; i < ph.K; i += kConsumers) xs[i] = xg[i];
         consumers_sync();
         float acc = 0.0f;
         walk_tiles(
-            R, K, kt, b,
+            ph.R, ph.K, kt, b,
             [&](unsigned g0, unsigned nrows, unsigned k0, unsigned kk, unsigned bt) {
                 const unsigned s = bt % slots;
                 mbar_wait(&full[s], (bt / slots) & 1);
                 if (warp < nrows) {
-                    const unsigned base = ring + s * slot_bytes + warp * kk * 2;
+                    const unsigned row = ring + s * slot_bytes + warp * kk * 2;
                     // kk may end in half a chunk (0.5B's 896 columns).
                     for (unsigned ch = 0; ch * 256 < kk; ++ch) {
                         const unsigned i = k0 / 8 + ch * 32 + lane;
                         if ((ch * 32 + lane) * 8 < kk)
-                            acc = dot8(lds16(base + ch * 512 + lane * 16), xs4[2 * i], xs4[2 * i + 1], acc);
+                            acc = dot8(lds16(row + ch * 512 + lane * 16), xs4[2 * i], xs4[2 * i + 1], acc);
                     }
                 }
                 __syncwarp();
@@ -207,7 +202,7 @@ __global__ void __launch_bounds__(512, 1)
             },
             [&](unsigned g0, unsigned nrows) {
                 acc = warp_sum(acc);
-                if (warp < nrows && lane == 0) y[g0 + warp] = acc;
+                if (warp < nrows && lane == 0) ph.y[g0 + warp] = acc;
                 acc = 0.0f;
             });
         consumers_sync();
