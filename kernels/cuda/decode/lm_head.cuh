@@ -6,11 +6,13 @@
 
 namespace qmk {
 
+// RB: the final norm's load batch (rms_norm).
+template <int RB>
 __device__ __forceinline__ void lm_head(const Params& p, float* xs, float* red) {
     const float* x = reinterpret_cast<const float*>(p.x);       // [H] f32
     const char* nw = reinterpret_cast<const char*>(p.norm[0]);  // [H] bf16
-    rms_norm([&](u32 i) { return x[i]; }, [&](u32 i) { return ld_bf16(nw + (koff_t)i * 2u); },
-             p.rms_norm_eps, xs, red);
+    rms_norm<RB>([&](u32 i) { return x[i]; }, [&](u32 i) { return ld_bf16(nw + (koff_t)i * 2u); },
+                 p.rms_norm_eps, xs, red);
     float* logits = reinterpret_cast<float*>(p.logits);  // [V] f32
     const u32 nwt = gridDim.x * QMK_WARPS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

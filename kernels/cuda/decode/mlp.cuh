@@ -11,8 +11,8 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 __device__ __forceinline__ void mlp_gate_up(const Params& p, u32 layer, float* xs, float* red) {
     const LayerView<post_attention_layernorm_t> ln(p.post_attention_layernorm, layer);
     const float* x = reinterpret_cast<const float*>(p.x);  // [H] f32
-    rms_norm([&](u32 i) { return x[i]; }, [&](u32 i) { return ln.elem(i); }, p.rms_norm_eps, xs,
-             red);
+    rms_norm<kDecodeNormBatch>([&](u32 i) { return x[i]; }, [&](u32 i) { return ln.elem(i); },
+                               p.rms_norm_eps, xs, red);
     const LayerView<gate_proj_t> wg(p.gate_proj, layer);
     const LayerView<up_proj_t> wu(p.up_proj, layer);
     float* h = reinterpret_cast<float*>(p.mlp_h);  // [I] f32

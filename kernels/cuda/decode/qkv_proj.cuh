@@ -13,8 +13,8 @@ __device__ __forceinline__ void qkv_proj(const Params& p, u32 layer, u32 token, 
     constexpr u32 D = QMK_HEAD_DIM, HALF = D / 2;
     constexpr u32 QP = QMK_Q_DIM / 2, KP = QMK_KV_DIM / 2;
     const LayerView<input_layernorm_t> ln(p.input_layernorm, layer);
-    rms_norm([&](u32 i) { return residual(p, layer, token, i); },
-             [&](u32 i) { return ln.elem(i); }, p.rms_norm_eps, xs, red);
+    rms_norm<kDecodeNormBatch>([&](u32 i) { return residual(p, layer, token, i); },
+                               [&](u32 i) { return ln.elem(i); }, p.rms_norm_eps, xs, red);
 
     const LayerView<q_proj_t> wq(p.q_proj, layer);
     const LayerView<k_proj_t> wk(p.k_proj, layer);

@@ -5,28 +5,38 @@
 // Shapes of 0.5B, 7B and 14B with synthetic bf16 weights. Per layer:
 // qkv [Q + 2 KV, H], o_proj [H, Q], gate and up as one [2 I, H], down
 // [H, I]; then the LM head [V, H]. 132 CTAs x 16 warps. Each phase multiplies
-// its matrix by an f32 vector loaded from device memory into shared memory;
-// each CTA owns a contiguous balanced share of the rows. A grid barrier
-// follows every phase: one thread per CTA does a release add and an acquire
-// spin on a counter that only grows, as the kernel does. Two ways to read
-// the weights:
+// its matrix by an f32 vector copied from device memory into shared memory
+// (16-byte loads). A grid barrier follows every phase: one thread per CTA
+// does a release add and an acquire spin on a counter that only grows, as
+// the kernel does. Every mode also runs once without the barrier (the
+// phases then overlap freely: an upper bound, not a valid step). Ways to
+// read the weights:
 //
-//   direct  16 warps load their rows from device memory (16-byte loads, 8
-//           in flight per lane), rows of the share warp-strided. This is
-//           the kernel on main without attention and norms, except that the
-//           kernel spreads a phase's last partial round over every SM's
-//           warps, which matters at 0.5B (a few rows per CTA).
-//   ring    warp 15 streams the CTA's share of every phase, layer after
-//           layer, into fixed ring slots of one tile each (G <= 15 rows x
-//           KT columns, one bulk copy per row from G lanes), and waits only
-//           for free slots. Warps 0-14 run the phases and synchronise among
-//           themselves with a named barrier of 480 threads. Each warp takes
-//           one row of every tile and accumulates across the row's tiles.
+//   direct, static share   16 warps load their rows from device memory
+//           (16-byte loads, 8 in flight per lane), each CTA a contiguous
+//           balanced share of the rows, warp-strided. This is the kernel on
+//           main without attention and norms, except that the kernel spreads
+//           a phase's last partial round over every SM's warps, which
+//           matters at 0.5B (a few rows per CTA).
+//   direct, claim c rows   every warp takes c rows at a time from a
+//           per-phase counter of the grid (asking for the next rows before
+//           it computes the current ones), so faster SMs take more rows.
+//   ring, share 15         warp 15 streams the CTA's share of every phase,
+//           layer after layer, into fixed ring slots of one tile each
+//           (G <= 15 rows x KT columns, one bulk copy per row from G lanes),
+//           and waits only for free slots; optionally it also asks for the
+//           tiles `ahead` further on into L2 (one bulk prefetch per row).
+//           Warps 0-14 run the phases and synchronise among themselves with
+//           a named barrier of 480 threads. Each warp takes one row of every
+//           tile and accumulates across the row's tiles.
+//   ring, claim g          the same ring, but the producer takes groups of
+//           g rows from the grid's per-phase counter instead of a fixed
+//           share; a header per slot tells the readers which rows it holds.
 //
-// Both sum in the kernel's order (lane l takes 16-byte vectors l, l + 32,
-// ... ascending; then the xor tree), so their outputs must be equal bit for
-// bit. Prints the step time of each mode, best of 4 launches, and the
-// bytes' rate against a plain read of the same bytes.
+// Every mode sums in the kernel's order (lane l takes 16-byte vectors l,
+// l + 32, ... ascending; then the xor tree), so every output must equal the
+// static direct one bit for bit. Prints the step time of each mode, best of
+// 4 launches, and the bytes' rate against a plain read of the same bytes.
 #include "ring.cuh"
 
 constexpr int kSlots = 64;
@@ -62,22 +72,50 @@ __device__ __forceinline__ unsigned group_rows(unsigned share_rows) {
     return groups == 0 ? 1u : (share_rows + groups - 1u) / groups;
 }
 
-// This CTA's tiles of a phase of R rows x K columns, in the one order the
-// producer sends them and the readers take them: groups [g0, g0 + nrows)
-// of its share, each cut into tiles of at most kt columns from k0.
-// tile(g0, nrows, k0, kk, b) runs per tile, b counting the CTA's tiles over
-// the step; done(g0, nrows) after a group's last tile.
-template <class Tile, class Done>
-__device__ __forceinline__ void walk_tiles(unsigned R, unsigned K, unsigned kt, unsigned& b, Tile tile, Done done) {
-    unsigned lo_, hi_;
-    share(R, lo_, hi_);
-    const unsigned G = group_rows(hi_ - lo_);
-    for (unsigned g0 = lo_; g0 < hi_; g0 += G) {
-        const unsigned nrows = min_u(G, hi_ - g0);
-        for (unsigned k0 = 0; k0 < K; k0 += kt, ++b) tile(g0, nrows, k0, min_u(kt, K - k0), b);
-        done(g0, nrows);
+// This CTA's tiles over the whole step, in the one order the producer sends
+// them and the readers take them: phase by phase, the CTA's share of rows in
+// groups of G (group_rows), each group cut into tiles of at most kt columns.
+struct Cursor {
+    Phase ph;
+    unsigned n, phases, kt, hi, G, g0, nrows, k0, kk;
+    __device__ Cursor(const Model& m, unsigned kt_) : n(0), phases(4 * m.layers + 1), kt(kt_) { open(m); }
+    // Opens phase n, or the first later one where this CTA has rows.
+    __device__ void open(const Model& m) {
+        for (; n < phases; ++n) {
+            ph = phase(m, n);
+            unsigned lo_;
+            share(ph.R, lo_, hi);
+            if (lo_ < hi) {
+                G = group_rows(hi - lo_);
+                g0 = lo_;
+                nrows = min_u(G, hi - g0);
+                k0 = 0;
+                kk = min_u(kt, ph.K);
+                return;
+            }
+        }
     }
-}
+    __device__ bool valid() const { return n < phases; }
+    __device__ bool group_end() const { return k0 + kk >= ph.K; }
+    __device__ void next(const Model& m) {
+        k0 += kk;
+        if (k0 < ph.K) {
+            kk = min_u(kt, ph.K - k0);
+            return;
+        }
+        g0 += G;
+        if (g0 < hi) {
+            nrows = min_u(G, hi - g0);
+            k0 = 0;
+            kk = min_u(kt, ph.K);
+            return;
+        }
+        ++n;
+        open(m);
+    }
+    // Row j of the tile in device memory.
+    __device__ const uint16_t* row(unsigned j) const { return ph.W + (uint64_t)(g0 + j) * ph.K + k0; }
+};
 
 __device__ __forceinline__ void grid_arrive_wait(unsigned long long* arrived, unsigned long long target) {
     asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(arrived) : "memory");
@@ -95,8 +133,52 @@ __device__ __forceinline__ uint4 ldg16(const uint4* p) {
     return v;
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+
+// x [K] f32 into shared memory by `threads` threads (K a multiple of 4).
+__device__ __forceinline__ void load_x(float* xs, const float* xg, unsigned K, unsigned threads) {
+    const float4* src = reinterpret_cast<const float4*>(xg);
+    float4* dst = reinterpret_cast<float4*>(xs);
+#pragma unroll 4
+    for (unsigned i = threadIdx.x; i < K / 4; i += threads) dst[i] = src[i];
+}
+
+// One warp's dot product of row r of W [R][K] with xs, the kernel's order.
+__device__ __forceinline__ float row_dot(const Phase& ph, unsigned r, const float4* xs4, unsigned lane) {
+    const uint4* w = reinterpret_cast<const uint4*>(ph.W + (uint64_t)r * ph.K);
+    const unsigned nv = ph.K / 8;
+    float acc = 0.0f;
+    for (unsigned v0 = 0; v0 < nv; v0 += 32 * 8) {
+        uint4 v[8];
+#pragma unroll
+        for (unsigned u = 0; u < 8; ++u) {
+            const unsigned i = v0 + u * 32 + lane;
+            v[u] = i < nv ? ldg16(w + i) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (unsigned u = 0; u < 8; ++u) {
+            const unsigned i = v0 + u * 32 + lane;
+            if (i < nv) acc = dot8(v[u], xs4[2 * i], xs4[2 * i + 1], acc);
+        }
+    }
+    return warp_sum(acc);
+}
+
+// Lane 0 takes the next `c` rows of phase n from the grid's counter; the
+// atomic's result is read only when the warp needs it.
+__device__ __forceinline__ unsigned claim(unsigned* claims, unsigned n, unsigned c, unsigned lane) {
+    return lane == 0 ? atomicAdd(&claims[n], c) : 0u;
+}
+
+// Direct loads. claim_rows = 0: each CTA's balanced share, rows
+// warp-strided (the kernel's map); claim_rows = c: every warp takes c rows
+// at a time from a per-phase counter of the grid, asking for its next rows
+// before it computes the current ones, so faster SMs take more rows.
 __global__ void __launch_bounds__(512, 1)
-    step_direct(Model m, const float* xg, unsigned long long* arrived, unsigned long long base) {
+    step_direct(Model m, const float* xg, unsigned long long* arrived, unsigned long long base, bool bar,
+                unsigned* claims, unsigned claim_rows) {
     extern __shared__ __align__(128) unsigned char dyn[];
     float* xs = reinterpret_cast<float*>(dyn);
     const float4* xs4 = reinterpret_cast<const float4*>(xs);
@@ -104,46 +186,52 @@ __global__ void __launch_bounds__(512, 1)
     const unsigned phases = 4 * m.layers + 1;
     for (unsigned n = 0; n < phases; ++n) {
         const Phase ph = phase(m, n);
-        for (unsigned i = threadIdx.x; i < ph.K; i += 512) xs[i] = xg[i];
+        unsigned next = claim_rows ? claim(claims, n, claim_rows, lane) : 0u;
+        load_x(xs, xg, ph.K, 512);
         __syncthreads();
-        unsigned lo_, hi_;
-        share(ph.R, lo_, hi_);
-        const unsigned nv = ph.K / 8;
-        for (unsigned r = lo_ + warp; r < hi_; r += 16) {
-            const uint4* w = reinterpret_cast<const uint4*>(ph.W + (uint64_t)r * ph.K);
-            float acc = 0.0f;
-            for (unsigned v0 = 0; v0 < nv; v0 += 32 * 8) {
-                uint4 v[8];
-#pragma unroll
-                for (unsigned u = 0; u < 8; ++u) {
-                    const unsigned i = v0 + u * 32 + lane;
-                    v[u] = i < nv ? ldg16(w + i) : make_uint4(0, 0, 0, 0);
+        if (claim_rows) {
+            for (unsigned r0 = __shfl_sync(0xffffffffu, next, 0); r0 < ph.R;) {
+                next = claim(claims, n, claim_rows, lane);
+                for (unsigned r = r0; r < min_u(r0 + claim_rows, ph.R); ++r) {
+                    const float acc = row_dot(ph, r, xs4, lane);
+                    if (lane == 0) ph.y[r] = acc;
                 }
-#pragma unroll
-                for (unsigned u = 0; u < 8; ++u) {
-                    const unsigned i = v0 + u * 32 + lane;
-                    if (i < nv) acc = dot8(v[u], xs4[2 * i], xs4[2 * i + 1], acc);
-                }
+                r0 = __shfl_sync(0xffffffffu, next, 0);
             }
-            acc = warp_sum(acc);
-            if (lane == 0) ph.y[r] = acc;
+        } else {
+            unsigned lo_, hi_;
+            share(ph.R, lo_, hi_);
+            for (unsigned r = lo_ + warp; r < hi_; r += 16) {
+                const float acc = row_dot(ph, r, xs4, lane);
+                if (lane == 0) ph.y[r] = acc;
+            }
         }
         __syncthreads();
-        if (threadIdx.x == 0) grid_arrive_wait(arrived, base + (unsigned long long)(n + 1) * gridDim.x);
+        if (bar && threadIdx.x == 0) grid_arrive_wait(arrived, base + (unsigned long long)(n + 1) * gridDim.x);
         __syncthreads();
     }
 }
 
+// The ring with claimed groups: the producer takes groups of `gd` rows of
+// each phase from the grid's per-phase counter (the next group asked for
+// when the current one starts), sends their tiles, and ends the CTA's part
+// of a phase with an empty slot marked done. The slot's header tells the
+// readers which rows it holds.
+struct SlotHead {
+    unsigned g0, nrows, k0, kk;  // nrows = 0: this CTA's part of the phase is done
+};
+
 __global__ void __launch_bounds__(512, 1)
-    step_ring(Model m, const float* xg, unsigned long long* arrived, unsigned long long base, unsigned x_bytes,
-              unsigned ring_bytes, unsigned kt) {
+    step_ring_claim(Model m, const float* xg, unsigned long long* arrived, unsigned long long base, bool bar,
+                    unsigned x_bytes, unsigned ring_bytes, unsigned kt, unsigned gd, unsigned* claims) {
     extern __shared__ __align__(128) unsigned char dyn[];
     __shared__ uint64_t full[kSlots], empty[kSlots];
+    __shared__ SlotHead head[kSlots];
     float* xs = reinterpret_cast<float*>(dyn);
     const float4* xs4 = reinterpret_cast<const float4*>(xs);
     const unsigned ring = (sa(dyn) + x_bytes + 127u) & ~127u;
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const unsigned slot_bytes = 15u * kt * 2u;
+    const unsigned slot_bytes = gd * kt * 2u;
     const unsigned slots = min_u((unsigned)kSlots, ring_bytes / slot_bytes);
     const unsigned phases = 4 * m.layers + 1;
     if (threadIdx.x == 0) {
@@ -156,23 +244,38 @@ __global__ void __launch_bounds__(512, 1)
     __syncthreads();
 
     if (warp == 15) {
-        // The producer: the whole step's tiles in order, waiting only for
-        // a free slot.
         unsigned b = 0;
+        auto take = [&](unsigned& bt) {
+            const unsigned s = bt % slots;
+            if (bt >= slots) mbar_wait(&empty[s], ((bt / slots) - 1) & 1);
+            ++bt;
+            return s;
+        };
         for (unsigned n = 0; n < phases; ++n) {
             const Phase ph = phase(m, n);
-            walk_tiles(
-                ph.R, ph.K, kt, b,
-                [&](unsigned g0, unsigned nrows, unsigned k0, unsigned kk, unsigned bt) {
-                    const unsigned s = bt % slots;
-                    if (bt >= slots) mbar_wait(&empty[s], ((bt / slots) - 1) & 1);
-                    if (lane == 0) mbar_expect(&full[s], nrows * kk * 2);
+            unsigned next = claim(claims, n, gd, lane);
+            for (unsigned g0 = __shfl_sync(0xffffffffu, next, 0); g0 < ph.R;) {
+                next = claim(claims, n, gd, lane);
+                const unsigned nrows = min_u(gd, ph.R - g0);
+                for (unsigned k0 = 0; k0 < ph.K; k0 += kt) {
+                    const unsigned kk = min_u(kt, ph.K - k0), s = take(b);
+                    if (lane == 0) {
+                        head[s] = {g0, nrows, k0, kk};
+                        mbar_expect(&full[s], nrows * kk * 2);
+                    }
                     __syncwarp();
                     if (lane < nrows)
-                        bulk(ring + s * slot_bytes + lane * kk * 2, ph.W + (uint64_t)(g0 + lane) * ph.K + k0,
-                             kk * 2, &full[s]);
-                },
-                [](unsigned, unsigned) {});
+                        bulk(ring + s * slot_bytes + lane * kk * 2, ph.W + (uint64_t)(g0 + lane) * ph.K + k0, kk * 2,
+                             &full[s]);
+                }
+                g0 = __shfl_sync(0xffffffffu, next, 0);
+            }
+            const unsigned s = take(b);
+            if (lane == 0) {
+                head[s] = {0, 0, 0, 0};
+                mbar_arrive(&full[s]);
+            }
+            __syncwarp();
         }
         return;
     }
@@ -180,33 +283,110 @@ __global__ void __launch_bounds__(512, 1)
     unsigned b = 0;
     for (unsigned n = 0; n < phases; ++n) {
         const Phase ph = phase(m, n);
-        for (unsigned i = threadIdx.x; i < ph.K; i += kConsumers) xs[i] = xg[i];
+        load_x(xs, xg, ph.K, kConsumers);
         consumers_sync();
         float acc = 0.0f;
-        walk_tiles(
-            ph.R, ph.K, kt, b,
-            [&](unsigned g0, unsigned nrows, unsigned k0, unsigned kk, unsigned bt) {
-                const unsigned s = bt % slots;
-                mbar_wait(&full[s], (bt / slots) & 1);
-                if (warp < nrows) {
-                    const unsigned row = ring + s * slot_bytes + warp * kk * 2;
-                    // kk may end in half a chunk (0.5B's 896 columns).
-                    for (unsigned ch = 0; ch * 256 < kk; ++ch) {
-                        const unsigned i = k0 / 8 + ch * 32 + lane;
-                        if ((ch * 32 + lane) * 8 < kk)
-                            acc = dot8(lds16(row + ch * 512 + lane * 16), xs4[2 * i], xs4[2 * i + 1], acc);
-                    }
-                }
+        for (;; ++b) {
+            const unsigned s = b % slots;
+            mbar_wait(&full[s], (b / slots) & 1);
+            const SlotHead h = head[s];
+            if (h.nrows == 0) {
                 __syncwarp();
                 if (lane == 0) mbar_arrive(&empty[s]);
-            },
-            [&](unsigned g0, unsigned nrows) {
+                ++b;
+                break;
+            }
+            if (warp < h.nrows) {
+                const unsigned row = ring + s * slot_bytes + warp * h.kk * 2;
+                for (unsigned ch = 0; ch * 256 < h.kk; ++ch) {
+                    const unsigned i = h.k0 / 8 + ch * 32 + lane;
+                    if ((ch * 32 + lane) * 8 < h.kk)
+                        acc = dot8(lds16(row + ch * 512 + lane * 16), xs4[2 * i], xs4[2 * i + 1], acc);
+                }
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[s]);
+            if (h.k0 + h.kk >= ph.K) {
                 acc = warp_sum(acc);
-                if (warp < nrows && lane == 0) ph.y[g0 + warp] = acc;
+                if (warp < h.nrows && lane == 0) ph.y[h.g0 + warp] = acc;
                 acc = 0.0f;
-            });
+            }
+        }
         consumers_sync();
-        if (threadIdx.x == 0) grid_arrive_wait(arrived, base + (unsigned long long)(n + 1) * gridDim.x);
+        if (bar && threadIdx.x == 0) grid_arrive_wait(arrived, base + (unsigned long long)(n + 1) * gridDim.x);
+        consumers_sync();
+    }
+}
+
+__global__ void __launch_bounds__(512, 1)
+    step_ring(Model m, const float* xg, unsigned long long* arrived, unsigned long long base, bool bar,
+              unsigned x_bytes, unsigned ring_bytes, unsigned kt, unsigned ahead) {
+    extern __shared__ __align__(128) unsigned char dyn[];
+    __shared__ uint64_t full[kSlots], empty[kSlots];
+    float* xs = reinterpret_cast<float*>(dyn);
+    const float4* xs4 = reinterpret_cast<const float4*>(xs);
+    const unsigned ring = (sa(dyn) + x_bytes + 127u) & ~127u;
+    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const unsigned slot_bytes = 15u * kt * 2u;
+    const unsigned slots = min_u((unsigned)kSlots, ring_bytes / slot_bytes);
+    if (threadIdx.x == 0) {
+        for (unsigned s = 0; s < slots; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 15);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == 15) {
+        // The producer: the whole step's tiles in order, waiting only for
+        // a free slot; `ahead` tiles further on are asked into L2 before
+        // that wait, so DRAM keeps streaming while the ring is full.
+        Cursor c(m, kt), p(m, kt);
+        for (unsigned a = 0; a < ahead && p.valid(); ++a, p.next(m))
+            if (lane < p.nrows) prefetch_l2(p.row(lane), p.kk * 2);
+        for (unsigned b = 0; c.valid(); ++b, c.next(m)) {
+            if (ahead && p.valid()) {
+                if (lane < p.nrows) prefetch_l2(p.row(lane), p.kk * 2);
+                p.next(m);
+            }
+            const unsigned s = b % slots;
+            if (b >= slots) mbar_wait(&empty[s], ((b / slots) - 1) & 1);
+            if (lane == 0) mbar_expect(&full[s], c.nrows * c.kk * 2);
+            __syncwarp();
+            if (lane < c.nrows) bulk(ring + s * slot_bytes + lane * c.kk * 2, c.row(lane), c.kk * 2, &full[s]);
+        }
+        return;
+    }
+
+    Cursor c(m, kt);
+    unsigned b = 0;
+    for (unsigned n = 0; n < c.phases; ++n) {
+        load_x(xs, xg, phase(m, n).K, kConsumers);
+        consumers_sync();
+        float acc = 0.0f;
+        for (; c.valid() && c.n == n; ++b, c.next(m)) {
+            const unsigned s = b % slots;
+            mbar_wait(&full[s], (b / slots) & 1);
+            if (warp < c.nrows) {
+                const unsigned row = ring + s * slot_bytes + warp * c.kk * 2;
+                // kk may end in half a chunk (0.5B's 896 columns).
+                for (unsigned ch = 0; ch * 256 < c.kk; ++ch) {
+                    const unsigned i = c.k0 / 8 + ch * 32 + lane;
+                    if ((ch * 32 + lane) * 8 < c.kk)
+                        acc = dot8(lds16(row + ch * 512 + lane * 16), xs4[2 * i], xs4[2 * i + 1], acc);
+                }
+            }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[s]);
+            if (c.group_end()) {
+                acc = warp_sum(acc);
+                if (warp < c.nrows && lane == 0) c.ph.y[c.g0 + warp] = acc;
+                acc = 0.0f;
+            }
+        }
+        consumers_sync();
+        if (bar && threadIdx.x == 0) grid_arrive_wait(arrived, base + (unsigned long long)(n + 1) * gridDim.x);
         consumers_sync();
     }
 }
@@ -223,6 +403,9 @@ int main() {
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     CK(cudaFuncSetAttribute(step_ring, cudaFuncAttributeMaxDynamicSharedMemorySize, 226 * 1024));
     CK(cudaFuncSetAttribute(step_direct, cudaFuncAttributeMaxDynamicSharedMemorySize, 226 * 1024));
+    CK(cudaFuncSetAttribute(step_ring_claim, cudaFuncAttributeMaxDynamicSharedMemorySize, 225 * 1024));
+    unsigned* claims;  // one counter per phase, zeroed before every launch
+    CK(cudaMalloc(&claims, 256 * 4));
     unsigned* sink;
     unsigned long long* arrived;
     CK(cudaMalloc(&sink, 4));
@@ -276,26 +459,63 @@ int main() {
         const unsigned long long per_launch = (4ull * sh.L + 1) * sms;
         unsigned long long launches = 0;
         CK(cudaMemset(arrived, 0, 8));
-        const float direct_ms =
-            best_ms([&] { step_direct<<<sms, 512, x_bytes>>>(m, xg, arrived, per_launch * launches++); });
-        CK(cudaMemcpy(hd.data(), y_direct, yelems * 4, cudaMemcpyDeviceToHost));
-        printf("direct                    : %8.1f us  %5.1f %% of read\n", direct_ms * 1e3, 100.0 * read_ms / direct_ms);
-        for (int t = 0; t < 5; ++t) m.y[t] = y_ring + yofs[t];
-        for (unsigned target : {190u * 1024, 224u * 1024})
-            for (unsigned kt : {512u, 1024u}) {
-                const unsigned ring_bytes = (target - x_bytes - 128) / 128 * 128;
-                if (ring_bytes / (15u * kt * 2u) < 2) continue;
-                CK(cudaMemset(y_ring, 0xff, yelems * 4));
-                const float ms = best_ms([&] {
-                    step_ring<<<sms, 512, x_bytes + ring_bytes + 128>>>(m, xg, arrived, per_launch * launches++,
-                                                                        x_bytes, ring_bytes, kt);
-                });
-                CK(cudaMemcpy(hr.data(), y_ring, yelems * 4, cudaMemcpyDeviceToHost));
-                const bool same = memcmp(hd.data(), hr.data(), yelems * 4) == 0;
-                printf("ring %3u KB (%2u slots) kt %4u: %8.1f us  %5.1f %% of read  %.3fx direct  %s\n", ring_bytes / 1024,
-                       ring_bytes / (15u * kt * 2u) < (unsigned)kSlots ? ring_bytes / (15u * kt * 2u) : (unsigned)kSlots,
-                       kt, ms * 1e3, 100.0 * read_ms / ms, direct_ms / ms, same ? "bit-identical" : "DIFFERS");
+        // Without the grid barrier the counter stays put, so only barrier
+        // launches advance the base.
+        auto base = [&](bool bar) { return bar ? per_launch * launches++ : 0ull; };
+        float direct_ms = 0.0f;
+        struct Direct { unsigned claim_rows; bool bar; };
+        for (const Direct& d : {Direct{0, true}, Direct{0, false}, Direct{1, true}, Direct{2, true}, Direct{4, true}}) {
+            CK(cudaMemset(y_direct, 0xff, yelems * 4));
+            const float ms = best_ms([&] {
+                cudaMemsetAsync(claims, 0, 256 * 4);
+                step_direct<<<sms, 512, x_bytes>>>(m, xg, arrived, base(d.bar), d.bar, claims, d.claim_rows);
+            });
+            if (!d.claim_rows && d.bar) {
+                direct_ms = ms;
+                CK(cudaMemcpy(hd.data(), y_direct, yelems * 4, cudaMemcpyDeviceToHost));
+            } else {
+                CK(cudaMemcpy(hr.data(), y_direct, yelems * 4, cudaMemcpyDeviceToHost));
             }
+            const bool same = memcmp(hd.data(), hr.data(), yelems * 4) == 0;
+            printf("direct, %-13s%s: %8.1f us  %5.1f %% of read  %.3fx direct  %s\n",
+                   d.claim_rows ? (d.claim_rows == 1 ? "claim 1 row" : d.claim_rows == 2 ? "claim 2 rows" : "claim 4 rows")
+                                : "static share",
+                   d.bar ? "" : ", no grid barrier", ms * 1e3, 100.0 * read_ms / ms, direct_ms / ms,
+                   (!d.claim_rows && d.bar) ? "" : same ? "bit-identical" : "DIFFERS");
+        }
+        for (int t = 0; t < 5; ++t) m.y[t] = y_ring + yofs[t];
+        // Rings: static shares (Cursor) or claimed groups of gd rows.
+        struct Ring { unsigned target, kt, ahead, gd; bool bar; };
+        const Ring rings[] = {{224u * 1024, 1024, 0, 0, true},  {224u * 1024, 1024, 0, 0, false},
+                              {224u * 1024, 512, 0, 0, true},   {224u * 1024, 2048, 0, 0, true},
+                              {224u * 1024, 1024, 4, 0, true},  {223u * 1024, 1024, 0, 15, true},
+                              {223u * 1024, 1024, 0, 8, true},  {223u * 1024, 1024, 0, 4, true},
+                              {223u * 1024, 1024, 0, 15, false}};
+        for (const Ring& r : rings) {
+            const unsigned ring_bytes = (r.target - x_bytes - 128) / 128 * 128;
+            const unsigned rows = r.gd ? r.gd : 15u;
+            const unsigned slots = std::min(ring_bytes / (rows * r.kt * 2u), (unsigned)kSlots);
+            if (slots < 2) continue;
+            CK(cudaMemset(y_ring, 0xff, yelems * 4));
+            const float ms = best_ms([&] {
+                if (r.gd) {
+                    cudaMemsetAsync(claims, 0, 256 * 4);
+                    step_ring_claim<<<sms, 512, x_bytes + ring_bytes + 128>>>(m, xg, arrived, base(r.bar), r.bar,
+                                                                              x_bytes, ring_bytes, r.kt, r.gd, claims);
+                } else {
+                    step_ring<<<sms, 512, x_bytes + ring_bytes + 128>>>(m, xg, arrived, base(r.bar), r.bar, x_bytes,
+                                                                        ring_bytes, r.kt, r.ahead);
+                }
+            });
+            CK(cudaMemcpy(hr.data(), y_ring, yelems * 4, cudaMemcpyDeviceToHost));
+            const bool same = memcmp(hd.data(), hr.data(), yelems * 4) == 0;
+            char ahead[32] = "";
+            if (r.ahead) snprintf(ahead, sizeof ahead, ", L2 +%u tiles", r.ahead);
+            printf("ring %3u KB (%2u slots) kt %4u %s%2u%s%s: %8.1f us  %5.1f %% of read  %.3fx direct  %s\n",
+                   ring_bytes / 1024, slots, r.kt, r.gd ? "claim " : "share ", rows, ahead,
+                   r.bar ? "" : ", no grid barrier",
+                   ms * 1e3, 100.0 * read_ms / ms, direct_ms / ms, same ? "bit-identical" : "DIFFERS");
+        }
         CK(cudaFree(W));
         CK(cudaFree(y_direct));
         CK(cudaFree(y_ring));
