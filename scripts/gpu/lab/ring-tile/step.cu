@@ -133,6 +133,47 @@ __device__ __forceinline__ uint4 ldg16(const uint4* p) {
     return v;
 }
 
+// The ring's slot barriers: full waits for the producer's one arrival and
+// the slot's bytes, empty for the 15 reading warps. The whole CTA calls it.
+__device__ __forceinline__ void init_slots(uint64_t* full, uint64_t* empty, unsigned slots) {
+    if (threadIdx.x == 0) {
+        for (unsigned s = 0; s < slots; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 15);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+}
+
+// A reading warp's part of one landed tile of nrows rows x kk columns (from
+// column k0) at shared address `tile`: warp w adds row w's columns to acc
+// in the kernel's order, then every warp frees the slot.
+__device__ __forceinline__ float read_tile(unsigned tile, uint64_t* empty, unsigned nrows, unsigned k0, unsigned kk,
+                                           const float4* xs4, float acc) {
+    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (warp < nrows) {
+        const unsigned row = tile + warp * kk * 2;
+        // kk may end in half a chunk (0.5B's 896 columns).
+        for (unsigned ch = 0; ch * 256 < kk; ++ch) {
+            const unsigned i = k0 / 8 + ch * 32 + lane;
+            if ((ch * 32 + lane) * 8 < kk) acc = dot8(lds16(row + ch * 512 + lane * 16), xs4[2 * i], xs4[2 * i + 1], acc);
+        }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty);
+    return acc;
+}
+
+// After a row group's last tile: warp w's row total to y[w]; the next
+// group starts from zero.
+__device__ __forceinline__ float finish_row(float acc, unsigned nrows, float* y) {
+    const unsigned warp = threadIdx.x / 32;
+    acc = warp_sum(acc);
+    if (warp < nrows && (threadIdx.x & 31) == 0) y[warp] = acc;
+    return 0.0f;
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
@@ -234,14 +275,7 @@ __global__ void __launch_bounds__(512, 1)
     const unsigned slot_bytes = gd * kt * 2u;
     const unsigned slots = min_u((unsigned)kSlots, ring_bytes / slot_bytes);
     const unsigned phases = 4 * m.layers + 1;
-    if (threadIdx.x == 0) {
-        for (unsigned s = 0; s < slots; ++s) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], 15);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    init_slots(full, empty, slots);
 
     if (warp == 15) {
         unsigned b = 0;
@@ -296,21 +330,8 @@ __global__ void __launch_bounds__(512, 1)
                 ++b;
                 break;
             }
-            if (warp < h.nrows) {
-                const unsigned row = ring + s * slot_bytes + warp * h.kk * 2;
-                for (unsigned ch = 0; ch * 256 < h.kk; ++ch) {
-                    const unsigned i = h.k0 / 8 + ch * 32 + lane;
-                    if ((ch * 32 + lane) * 8 < h.kk)
-                        acc = dot8(lds16(row + ch * 512 + lane * 16), xs4[2 * i], xs4[2 * i + 1], acc);
-                }
-            }
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&empty[s]);
-            if (h.k0 + h.kk >= ph.K) {
-                acc = warp_sum(acc);
-                if (warp < h.nrows && lane == 0) ph.y[h.g0 + warp] = acc;
-                acc = 0.0f;
-            }
+            acc = read_tile(ring + s * slot_bytes, &empty[s], h.nrows, h.k0, h.kk, xs4, acc);
+            if (h.k0 + h.kk >= ph.K) acc = finish_row(acc, h.nrows, ph.y + h.g0);
         }
         consumers_sync();
         if (bar && threadIdx.x == 0) grid_arrive_wait(arrived, base + (unsigned long long)(n + 1) * gridDim.x);
@@ -329,14 +350,7 @@ __global__ void __launch_bounds__(512, 1)
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const unsigned slot_bytes = 15u * kt * 2u;
     const unsigned slots = min_u((unsigned)kSlots, ring_bytes / slot_bytes);
-    if (threadIdx.x == 0) {
-        for (unsigned s = 0; s < slots; ++s) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], 15);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    init_slots(full, empty, slots);
 
     if (warp == 15) {
         // The producer: the whole step's tiles in order, waiting only for
@@ -368,22 +382,8 @@ __global__ void __launch_bounds__(512, 1)
         for (; c.valid() && c.n == n; ++b, c.next(m)) {
             const unsigned s = b % slots;
             mbar_wait(&full[s], (b / slots) & 1);
-            if (warp < c.nrows) {
-                const unsigned row = ring + s * slot_bytes + warp * c.kk * 2;
-                // kk may end in half a chunk (0.5B's 896 columns).
-                for (unsigned ch = 0; ch * 256 < c.kk; ++ch) {
-                    const unsigned i = c.k0 / 8 + ch * 32 + lane;
-                    if ((ch * 32 + lane) * 8 < c.kk)
-                        acc = dot8(lds16(row + ch * 512 + lane * 16), xs4[2 * i], xs4[2 * i + 1], acc);
-                }
-            }
-            __syncwarp();
-            if (lane == 0) mbar_arrive(&empty[s]);
-            if (c.group_end()) {
-                acc = warp_sum(acc);
-                if (warp < c.nrows && lane == 0) c.ph.y[c.g0 + warp] = acc;
-                acc = 0.0f;
-            }
+            acc = read_tile(ring + s * slot_bytes, &empty[s], c.nrows, c.k0, c.kk, xs4, acc);
+            if (c.group_end()) acc = finish_row(acc, c.nrows, c.ph.y + c.g0);
         }
         consumers_sync();
         if (bar && threadIdx.x == 0) grid_arrive_wait(arrived, base + (unsigned long long)(n + 1) * gridDim.x);
