@@ -36,7 +36,8 @@
 #               skips NVRTC
 #   bisect72    the 32-bit trap at 72B shapes per tensor group (`bisect_72b`)
 #   ab          baseline vs this build, interleaved in rounds: decode 0.5B,
-#               7B, 14B and prefill 7B at 2,048 (needs BASE at build time)
+#               7B, 14B, 7B at 32,768 positions and prefill 7B at 2,048
+#               (needs BASE at build time)
 #   profile     qwen-mk bench --profile at 0.5B, 7B and 14B: the phase-skip
 #               variants and the step timeline per op (critical path, mean
 #               CTA busy time, barriers)
@@ -245,6 +246,7 @@ for step in $STEPS; do
           bench "ab$r-$v-0.5b" $v --preset 0.5b
           bench "ab$r-$v-7b" $v --preset 7b
           bench "ab$r-$v-14b" $v --preset 14b
+          bench "ab$r-$v-7b-32k" $v --preset 7b --context 32768
           bench "ab$r-$v-prefill-7b-2048" $v --preset 7b --prefill 2048 --prefill-chunk 2048
         done
       done ;;
