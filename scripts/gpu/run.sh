@@ -91,15 +91,16 @@ if [[ ${1:-} == build ]]; then
   cp "${CARGO_TARGET_DIR:-target}/release/qwen-mk" "$stage/qwen-mk"
   for spec in $TEST_PROGRAMS; do
     pkg=${spec%%:*} t=${spec#*:}
-    exe=$(cargo test -p "$pkg" --release --test "$t" --no-run --message-format=json 2>/dev/null \
+    exe=$(cargo test -p "$pkg" --release --test "$t" --no-run --message-format=json 2>"$stage/cargo.err" \
       | python3 -c 'import sys, json
 for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] and m.get("executable"):
-        print(m["executable"])' "$t" | tail -1)
-    [[ -n $exe ]] || { echo "no test program for $spec"; exit 1; }
+        print(m["executable"])' "$t" | tail -1) || exe=
+    [[ -n $exe ]] || { cat "$stage/cargo.err"; echo "no test program for $spec"; exit 1; }
     cp "$exe" "$stage/test-$t"
   done
+  rm -f "$stage/cargo.err"
   if [[ -n ${BASE:-} ]]; then cp "$BASE/qwen-mk" "$stage/base-qwen-mk"; fi
   find "$stage" -maxdepth 1 -type f -exec strip {} +
   # The `openai` client and its dependencies for the GPU machine's Python
