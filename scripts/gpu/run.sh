@@ -37,7 +37,10 @@
 #   bisect72    the 32-bit trap at 72B shapes per tensor group (`bisect_72b`)
 #   ab          baseline vs this build, interleaved in rounds: decode 0.5B,
 #               7B, 14B, 7B at 32,768 positions and prefill 7B at 2,048
-#               (needs BASE at build time)
+#               (needs BASE at build time). AB_ROWS="name=bench args;..."
+#               replaces the rows, AB_ROUNDS (default 2) the rounds; a
+#               variant binary put at $CARRY/alt-qwen-mk.xz here (xz of a
+#               qwen-mk build) joins as a third
 #   profile     qwen-mk bench --profile at 0.5B, 7B and 14B: the phase-skip
 #               variants and the step timeline per op (critical path, mean
 #               CTA busy time, barriers)
@@ -131,6 +134,10 @@ echo "== $(date -u +%FT%TZ) run.sh: $STEPS"
 timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw \
   --format=csv 2>&1 | tee "$LOG/nvidia-smi.txt"
 tar -C "$BIN" -xJf "$CARRY/bin.tar.xz" || note "FAIL unpack $CARRY/bin.tar.xz"
+# A third binary for `ab` (a variant built here), optional.
+if [[ -f $CARRY/alt-qwen-mk.xz ]]; then
+  xz -dc "$CARRY/alt-qwen-mk.xz" > "$BIN/alt-qwen-mk" && chmod +x "$BIN/alt-qwen-mk"
+fi
 
 # One test program, one test at a time; PASS needs exit 0, a result line and
 # no SKIPPED line (on the GPU machine a skip is a failure).
@@ -242,13 +249,13 @@ for step in $STEPS; do
       grep -h "RESULT\|upload)\|streamed CPU\| | N=" "$LOG/test-scale-$t.log" | while read -r x; do note "    ${x:0:300}"; done ;;
     ab)
       [[ -x $BIN/base-qwen-mk ]] || { note "FAIL ab: no baseline binary (BASE at build time)"; continue; }
-      for r in 1 2; do
-        for v in base-qwen-mk qwen-mk; do
-          bench "ab$r-$v-0.5b" $v --preset 0.5b
-          bench "ab$r-$v-7b" $v --preset 7b
-          bench "ab$r-$v-14b" $v --preset 14b
-          bench "ab$r-$v-7b-32k" $v --preset 7b --context 32768
-          bench "ab$r-$v-prefill-7b-2048" $v --preset 7b --prefill 2048 --prefill-chunk 2048
+      IFS=';' read -ra rows <<< "${AB_ROWS:-0.5b=--preset 0.5b;7b=--preset 7b;14b=--preset 14b;7b-32k=--preset 7b --context 32768;prefill-7b-2048=--preset 7b --prefill 2048 --prefill-chunk 2048}"
+      for r in $(seq "${AB_ROUNDS:-2}"); do
+        for v in base-qwen-mk qwen-mk $([[ -x $BIN/alt-qwen-mk ]] && echo alt-qwen-mk); do
+          for row in "${rows[@]}"; do
+            # shellcheck disable=SC2086
+            bench "ab$r-$v-${row%%=*}" $v ${row#*=}
+          done
         done
       done ;;
     profile)

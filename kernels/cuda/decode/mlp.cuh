@@ -25,7 +25,7 @@ __device__ __forceinline__ void mlp_gate_up(const Params& p, u32 layer, float* x
 }
 
 __device__ __forceinline__ void mlp_down(const Params& p, u32 layer, float* xs) {
-    load_vec_to_smem(reinterpret_cast<const float*>(p.mlp_h), xs, (int)QMK_INTER);
+    load_vec_to_smem<(int)QMK_INTER>(reinterpret_cast<const float*>(p.mlp_h), xs);
     __syncthreads();
     const LayerView<down_proj_t> w(p.down_proj, layer);
     float* x = reinterpret_cast<float*>(p.x);  // [H] f32

@@ -6,7 +6,7 @@
 namespace qmk {
 
 __device__ __forceinline__ void o_proj(const Params& p, u32 layer, u32 token, float* xs) {
-    load_vec_to_smem(reinterpret_cast<const float*>(p.attn), xs, (int)QMK_Q_DIM);
+    load_vec_to_smem<(int)QMK_Q_DIM>(reinterpret_cast<const float*>(p.attn), xs);
     __syncthreads();
     const LayerView<o_proj_t> w(p.o_proj, layer);
     float* x = reinterpret_cast<float*>(p.x);  // [H] f32

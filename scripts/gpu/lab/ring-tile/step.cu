@@ -37,10 +37,7 @@
 // l + 32, ... ascending; then the xor tree), so every output must equal the
 // static direct one bit for bit. Prints the step time of each mode, best of
 // 4 launches, and the bytes' rate against a plain read of the same bytes.
-#include "ring.cuh"
-
-constexpr int kSlots = 64;
-constexpr unsigned kConsumers = 480;  // warps 0-14
+#include "step.cuh"
 
 // The step's matrices: 0 qkv, 1 o_proj, 2 gate/up, 3 down (per layer), 4 the
 // LM head (once). y[t] holds every layer's output of matrix t.
@@ -117,100 +114,8 @@ struct Cursor {
     __device__ const uint16_t* row(unsigned j) const { return ph.W + (uint64_t)(g0 + j) * ph.K + k0; }
 };
 
-__device__ __forceinline__ void grid_arrive_wait(unsigned long long* arrived, unsigned long long target) {
-    asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(arrived) : "memory");
-    unsigned long long v;
-    do {
-        asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(arrived) : "memory");
-    } while (v < target);
-}
-
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory"); }
-
-__device__ __forceinline__ uint4 ldg16(const uint4* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
-// The ring's slot barriers: full waits for the producer's one arrival and
-// the slot's bytes, empty for the 15 reading warps. The whole CTA calls it.
-__device__ __forceinline__ void init_slots(uint64_t* full, uint64_t* empty, unsigned slots) {
-    if (threadIdx.x == 0) {
-        for (unsigned s = 0; s < slots; ++s) {
-            mbar_init(&full[s], 1);
-            mbar_init(&empty[s], 15);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
-}
-
-// A reading warp's part of one landed tile of nrows rows x kk columns (from
-// column k0) at shared address `tile`: warp w adds row w's columns to acc
-// in the kernel's order, then every warp frees the slot.
-__device__ __forceinline__ float read_tile(unsigned tile, uint64_t* empty, unsigned nrows, unsigned k0, unsigned kk,
-                                           const float4* xs4, float acc) {
-    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    if (warp < nrows) {
-        const unsigned row = tile + warp * kk * 2;
-        // kk may end in half a chunk (0.5B's 896 columns).
-        for (unsigned ch = 0; ch * 256 < kk; ++ch) {
-            const unsigned i = k0 / 8 + ch * 32 + lane;
-            if ((ch * 32 + lane) * 8 < kk) acc = dot8(lds16(row + ch * 512 + lane * 16), xs4[2 * i], xs4[2 * i + 1], acc);
-        }
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty);
-    return acc;
-}
-
-// After a row group's last tile: warp w's row total to y[w]; the next
-// group starts from zero.
-__device__ __forceinline__ float finish_row(float acc, unsigned nrows, float* y) {
-    const unsigned warp = threadIdx.x / 32;
-    acc = warp_sum(acc);
-    if (warp < nrows && (threadIdx.x & 31) == 0) y[warp] = acc;
-    return 0.0f;
-}
-
 __device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-
-// x [K] f32 into shared memory by `threads` threads (K a multiple of 4).
-__device__ __forceinline__ void load_x(float* xs, const float* xg, unsigned K, unsigned threads) {
-    const float4* src = reinterpret_cast<const float4*>(xg);
-    float4* dst = reinterpret_cast<float4*>(xs);
-#pragma unroll 4
-    for (unsigned i = threadIdx.x; i < K / 4; i += threads) dst[i] = src[i];
-}
-
-// One warp's dot product of row r of W [R][K] with xs, the kernel's order.
-__device__ __forceinline__ float row_dot(const Phase& ph, unsigned r, const float4* xs4, unsigned lane) {
-    const uint4* w = reinterpret_cast<const uint4*>(ph.W + (uint64_t)r * ph.K);
-    const unsigned nv = ph.K / 8;
-    float acc = 0.0f;
-    for (unsigned v0 = 0; v0 < nv; v0 += 32 * 8) {
-        uint4 v[8];
-#pragma unroll
-        for (unsigned u = 0; u < 8; ++u) {
-            const unsigned i = v0 + u * 32 + lane;
-            v[u] = i < nv ? ldg16(w + i) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (unsigned u = 0; u < 8; ++u) {
-            const unsigned i = v0 + u * 32 + lane;
-            if (i < nv) acc = dot8(v[u], xs4[2 * i], xs4[2 * i + 1], acc);
-        }
-    }
-    return warp_sum(acc);
-}
-
-// Lane 0 takes the next `c` rows of phase n from the grid's counter; the
-// atomic's result is read only when the warp needs it.
-__device__ __forceinline__ unsigned claim(unsigned* claims, unsigned n, unsigned c, unsigned lane) {
-    return lane == 0 ? atomicAdd(&claims[n], c) : 0u;
 }
 
 // Direct loads. claim_rows = 0: each CTA's balanced share, rows
@@ -234,7 +139,7 @@ __global__ void __launch_bounds__(512, 1)
             for (unsigned r0 = __shfl_sync(0xffffffffu, next, 0); r0 < ph.R;) {
                 next = claim(claims, n, claim_rows, lane);
                 for (unsigned r = r0; r < min_u(r0 + claim_rows, ph.R); ++r) {
-                    const float acc = row_dot(ph, r, xs4, lane);
+                    const float acc = row_dot(ph.W + (uint64_t)r * ph.K, ph.K, xs4, lane);
                     if (lane == 0) ph.y[r] = acc;
                 }
                 r0 = __shfl_sync(0xffffffffu, next, 0);
@@ -243,7 +148,7 @@ __global__ void __launch_bounds__(512, 1)
             unsigned lo_, hi_;
             share(ph.R, lo_, hi_);
             for (unsigned r = lo_ + warp; r < hi_; r += 16) {
-                const float acc = row_dot(ph, r, xs4, lane);
+                const float acc = row_dot(ph.W + (uint64_t)r * ph.K, ph.K, xs4, lane);
                 if (lane == 0) ph.y[r] = acc;
             }
         }
@@ -252,15 +157,6 @@ __global__ void __launch_bounds__(512, 1)
         __syncthreads();
     }
 }
-
-// The ring with claimed groups: the producer takes groups of `gd` rows of
-// each phase from the grid's per-phase counter (the next group asked for
-// when the current one starts), sends their tiles, and ends the CTA's part
-// of a phase with an empty slot marked done. The slot's header tells the
-// readers which rows it holds.
-struct SlotHead {
-    unsigned g0, nrows, k0, kk;  // nrows = 0: this CTA's part of the phase is done
-};
 
 __global__ void __launch_bounds__(512, 1)
     step_ring_claim(Model m, const float* xg, unsigned long long* arrived, unsigned long long base, bool bar,
@@ -391,13 +287,6 @@ __global__ void __launch_bounds__(512, 1)
     }
 }
 
-__global__ void fill(uint16_t* w, uint64_t n) {
-    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (uint64_t)gridDim.x * blockDim.x) {
-        const float f = ((int)((i * 2654435761ull >> 7) % 2001) - 1000) / 4096.0f;
-        w[i] = (uint16_t)(__float_as_uint(f) >> 16);
-    }
-}
-
 int main() {
     int sms;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -411,49 +300,11 @@ int main() {
     CK(cudaMalloc(&sink, 4));
     CK(cudaMalloc(&arrived, 8));
 
-    struct Shape { const char* name; unsigned H, Q, KV, I, V, L; };
-    const Shape shapes[] = {{"0.5B", 896, 896, 128, 4864, 151936, 24},
-                            {"7B", 3584, 3584, 512, 18944, 152064, 28},
-                            {"14B", 5120, 5120, 1024, 13824, 152064, 48}};
-    for (const Shape& sh : shapes) {
+    for (const Shape& sh : kShapes) {
+        const Weights wt(sh, sms, sink);
         Model m{};
-        m.layers = sh.L;
-        const unsigned R[5] = {sh.Q + 2 * sh.KV, sh.H, 2 * sh.I, sh.H, sh.V};
-        const unsigned K[5] = {sh.H, sh.Q, sh.H, sh.I, sh.H};
-        uint64_t welems = 0, yelems = 0, wofs[5], yofs[5];
-        for (int t = 0; t < 5; ++t) {
-            const uint64_t copies = t == 4 ? 1 : sh.L;
-            m.R[t] = R[t];
-            m.K[t] = K[t];
-            wofs[t] = welems;
-            yofs[t] = yelems;
-            welems += copies * R[t] * K[t];
-            yelems += copies * R[t];
-        }
-        uint16_t* W;
-        float *y_direct, *y_ring, *xg;
-        CK(cudaMalloc(&W, welems * 2));
-        CK(cudaMalloc(&y_direct, yelems * 4));
-        CK(cudaMalloc(&y_ring, yelems * 4));
-        CK(cudaMalloc(&xg, 32768 * 4));
-        fill<<<sms * 8, 512>>>(W, welems);
-        {
-            std::vector<float> hx(32768);
-            for (unsigned i = 0; i < hx.size(); ++i) hx[i] = (float)((int)((i * 37u) % 101u) - 50) / 64.0f;
-            CK(cudaMemcpy(xg, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
-        }
-        CK(cudaDeviceSynchronize());
-        for (int t = 0; t < 5; ++t) m.w[t] = W + wofs[t];
-        const uint64_t bytes = welems * 2;
-
-        const float read_ms = plain_read_ms(W, bytes, sms, sink);
-        const unsigned xmax = std::max(std::max(sh.H, sh.Q), sh.I);
-        const unsigned x_bytes = (xmax * 4 + 127) / 128 * 128;
-        printf("== %s: %u layers, %.2f GB of weights; plain read %.0f GB/s (%.1f us); vector %u B\n", sh.name, sh.L,
-               bytes / 1e9, bytes / read_ms / 1e6, read_ms * 1e3, x_bytes);
-        std::vector<float> hd(yelems), hr(yelems);
-
-        for (int t = 0; t < 5; ++t) m.y[t] = y_direct + yofs[t];
+        wt.point(m, 0);
+        std::vector<float> hd(wt.yelems), hr(wt.yelems);
         // The barrier counter only grows: each launch starts from where the
         // last one left it.
         const unsigned long long per_launch = (4ull * sh.L + 1) * sms;
@@ -465,25 +316,25 @@ int main() {
         float direct_ms = 0.0f;
         struct Direct { unsigned claim_rows; bool bar; };
         for (const Direct& d : {Direct{0, true}, Direct{0, false}, Direct{1, true}, Direct{2, true}, Direct{4, true}}) {
-            CK(cudaMemset(y_direct, 0xff, yelems * 4));
+            CK(cudaMemset(wt.y[0], 0xff, wt.yelems * 4));
             const float ms = best_ms([&] {
                 if (d.claim_rows) cudaMemsetAsync(claims, 0, 256 * 4);
-                step_direct<<<sms, 512, x_bytes>>>(m, xg, arrived, base(d.bar), d.bar, claims, d.claim_rows);
+                step_direct<<<sms, 512, wt.x_bytes>>>(m, wt.x, arrived, base(d.bar), d.bar, claims, d.claim_rows);
             });
             if (!d.claim_rows && d.bar) {
                 direct_ms = ms;
-                CK(cudaMemcpy(hd.data(), y_direct, yelems * 4, cudaMemcpyDeviceToHost));
+                CK(cudaMemcpy(hd.data(), wt.y[0], wt.yelems * 4, cudaMemcpyDeviceToHost));
             } else {
-                CK(cudaMemcpy(hr.data(), y_direct, yelems * 4, cudaMemcpyDeviceToHost));
+                CK(cudaMemcpy(hr.data(), wt.y[0], wt.yelems * 4, cudaMemcpyDeviceToHost));
             }
-            const bool same = memcmp(hd.data(), hr.data(), yelems * 4) == 0;
+            const bool same = memcmp(hd.data(), hr.data(), wt.yelems * 4) == 0;
             printf("direct, %-13s%s: %8.1f us  %5.1f %% of read  %.3fx direct  %s\n",
                    d.claim_rows ? (d.claim_rows == 1 ? "claim 1 row" : d.claim_rows == 2 ? "claim 2 rows" : "claim 4 rows")
                                 : "static share",
-                   d.bar ? "" : ", no grid barrier", ms * 1e3, 100.0 * read_ms / ms, direct_ms / ms,
+                   d.bar ? "" : ", no grid barrier", ms * 1e3, 100.0 * wt.read_ms / ms, direct_ms / ms,
                    (!d.claim_rows && d.bar) ? "" : same ? "bit-identical" : "DIFFERS");
         }
-        for (int t = 0; t < 5; ++t) m.y[t] = y_ring + yofs[t];
+        wt.point(m, 1);
         // Rings: static shares (Cursor) or claimed groups of gd rows.
         struct Ring { unsigned target, kt, ahead, gd; bool bar; };
         const Ring rings[] = {{224u * 1024, 1024, 0, 0, true},  {224u * 1024, 1024, 0, 0, false},
@@ -492,34 +343,30 @@ int main() {
                               {223u * 1024, 1024, 0, 8, true},  {223u * 1024, 1024, 0, 4, true},
                               {223u * 1024, 1024, 0, 15, false}};
         for (const Ring& r : rings) {
-            const unsigned ring_bytes = (r.target - x_bytes - 128) / 128 * 128;
+            const unsigned ring_bytes = (r.target - wt.x_bytes - 128) / 128 * 128;
             const unsigned rows = r.gd ? r.gd : 15u;
             const unsigned slots = std::min(ring_bytes / (rows * r.kt * 2u), (unsigned)kSlots);
             if (slots < 2) continue;
-            CK(cudaMemset(y_ring, 0xff, yelems * 4));
+            CK(cudaMemset(wt.y[1], 0xff, wt.yelems * 4));
             const float ms = best_ms([&] {
                 if (r.gd) {
                     cudaMemsetAsync(claims, 0, 256 * 4);
-                    step_ring_claim<<<sms, 512, x_bytes + ring_bytes + 128>>>(m, xg, arrived, base(r.bar), r.bar,
-                                                                              x_bytes, ring_bytes, r.kt, r.gd, claims);
+                    step_ring_claim<<<sms, 512, wt.x_bytes + ring_bytes + 128>>>(m, wt.x, arrived, base(r.bar), r.bar,
+                                                                              wt.x_bytes, ring_bytes, r.kt, r.gd, claims);
                 } else {
-                    step_ring<<<sms, 512, x_bytes + ring_bytes + 128>>>(m, xg, arrived, base(r.bar), r.bar, x_bytes,
+                    step_ring<<<sms, 512, wt.x_bytes + ring_bytes + 128>>>(m, wt.x, arrived, base(r.bar), r.bar, wt.x_bytes,
                                                                         ring_bytes, r.kt, r.ahead);
                 }
             });
-            CK(cudaMemcpy(hr.data(), y_ring, yelems * 4, cudaMemcpyDeviceToHost));
-            const bool same = memcmp(hd.data(), hr.data(), yelems * 4) == 0;
+            CK(cudaMemcpy(hr.data(), wt.y[1], wt.yelems * 4, cudaMemcpyDeviceToHost));
+            const bool same = memcmp(hd.data(), hr.data(), wt.yelems * 4) == 0;
             char ahead[32] = "";
             if (r.ahead) snprintf(ahead, sizeof ahead, ", L2 +%u tiles", r.ahead);
             printf("ring %3u KB (%2u slots) kt %4u %s%2u%s%s: %8.1f us  %5.1f %% of read  %.3fx direct  %s\n",
                    ring_bytes / 1024, slots, r.kt, r.gd ? "claim " : "share ", rows, ahead,
                    r.bar ? "" : ", no grid barrier",
-                   ms * 1e3, 100.0 * read_ms / ms, direct_ms / ms, same ? "bit-identical" : "DIFFERS");
+                   ms * 1e3, 100.0 * wt.read_ms / ms, direct_ms / ms, same ? "bit-identical" : "DIFFERS");
         }
-        CK(cudaFree(W));
-        CK(cudaFree(y_direct));
-        CK(cudaFree(y_ring));
-        CK(cudaFree(xg));
     }
     return 0;
 }
