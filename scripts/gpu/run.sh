@@ -133,7 +133,9 @@ note() { summary+=("$*"); echo "$*"; }
 echo "== $(date -u +%FT%TZ) run.sh: $STEPS"
 timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw \
   --format=csv 2>&1 | tee "$LOG/nvidia-smi.txt"
-tar -C "$BIN" -xJf "$CARRY/bin.tar.xz" || note "FAIL unpack $CARRY/bin.tar.xz"
+# A warm machine keeps the last call's binaries: start from this carry's only,
+# so a baseline or variant left out of it is not run again.
+rm -rf "${BIN:?}"/* && tar -C "$BIN" -xJf "$CARRY/bin.tar.xz" || note "FAIL unpack $CARRY/bin.tar.xz"
 # A third binary for `ab` (a variant built here), optional.
 if [[ -f $CARRY/alt-qwen-mk.xz ]]; then
   xz -dc "$CARRY/alt-qwen-mk.xz" > "$BIN/alt-qwen-mk" && chmod +x "$BIN/alt-qwen-mk"

@@ -57,7 +57,7 @@ struct Model {
 struct Phase {
     const uint16_t* W;  // [R][K] bf16
     float* y;           // [R]
-    const float* in;    // the previous phase's output; null: x0 is the input
+    const float* in;    // the previous phase's output (the first phase: x0)
     unsigned R, K;
     bool pair;       // input column c is made of rows 2c and 2c + 1 of `in`
     bool feeds;      // the rows feed a next phase (all but the LM head's)
@@ -108,13 +108,6 @@ __device__ __forceinline__ void load_in(const Phase& ph, float* xs, unsigned c0,
     }
 }
 
-// The first phase's input, as given.
-__device__ __forceinline__ void load_x0(const Model& m, float* xs, unsigned K, unsigned tid, unsigned threads) {
-    const float4* src = reinterpret_cast<const float4*>(m.x0);
-    float4* dst = reinterpret_cast<float4*>(xs);
-    for (unsigned i = tid; i < K / 4; i += threads) dst[i] = src[i];
-}
-
 __device__ __forceinline__ unsigned blocks_of(unsigned K) { return (K + kBlock - 1) / kBlock; }
 
 // One warp: waits until blocks [0, need) of phase ph's input are complete
@@ -160,7 +153,7 @@ __global__ void __launch_bounds__(512, 1)
     for (unsigned n = 0; n < phases; ++n) {
         const Phase ph = phase(m, n);
         if (n == 0) {
-            load_x0(m, xs, ph.K, threadIdx.x, 512);
+            load_x(xs, m.x0, ph.K, 512);
         } else {
             if (sync == kCounters) {
                 if (warp == 0) wait_blocks(flags + n * kMaxBlocks, ph, blocks_of(ph.K), lane);
@@ -184,13 +177,6 @@ __global__ void __launch_bounds__(512, 1)
     }
 }
 
-// Rows per group of a fixed share: as few groups of at most 15 as possible,
-// evenly.
-__device__ __forceinline__ unsigned group_rows(unsigned share_rows) {
-    const unsigned groups = (share_rows + 14u) / 15u;
-    return groups == 0 ? 1u : (share_rows + groups - 1u) / groups;
-}
-
 // The producer warp and 15 reading warps. gd = 0: the CTA's fixed share of
 // every phase, in groups of group_rows; gd > 0: groups of gd rows claimed
 // from the phase's grid counter (the next asked for when the current one
@@ -212,75 +198,42 @@ __global__ void __launch_bounds__(512, 1)
     const unsigned phases = 4 * m.layers + 1;
     init_slots(full, empty, slots);
 
+    HeadedRing rg{full, empty, head, ring, slot_bytes, slots};
     if (warp == 15) {
-        unsigned b = 0;
-        auto take = [&]() {
-            const unsigned s = b % slots;
-            if (b >= slots) mbar_wait(&empty[s], ((b / slots) - 1) & 1);
-            ++b;
-            return s;
-        };
-        auto send = [&](const Phase& ph, unsigned g0, unsigned nrows) {
-            for (unsigned k0 = 0; k0 < ph.K; k0 += kt) {
-                const unsigned kk = min_u(kt, ph.K - k0), s = take();
-                if (lane == 0) {
-                    head[s] = {g0, nrows, k0, kk};
-                    mbar_expect(&full[s], nrows * kk * 2);
-                }
-                __syncwarp();
-                if (lane < nrows)
-                    bulk(ring + s * slot_bytes + lane * kk * 2, ph.W + (uint64_t)(g0 + lane) * ph.K + k0, kk * 2,
-                         &full[s]);
-            }
-        };
         for (unsigned n = 0; n < phases; ++n) {
             const Phase ph = phase(m, n);
             if (gd) {
                 unsigned next = claim(claims, n, gd, lane);
                 for (unsigned g0 = __shfl_sync(0xffffffffu, next, 0); g0 < ph.R;) {
                     next = claim(claims, n, gd, lane);
-                    send(ph, g0, min_u(gd, ph.R - g0));
+                    rg.send(ph.W, ph.K, g0, min_u(gd, ph.R - g0), kt, lane);
                     g0 = __shfl_sync(0xffffffffu, next, 0);
                 }
             } else {
                 unsigned lo_, hi_;
                 share(ph.R, lo_, hi_);
                 const unsigned G = group_rows(hi_ - lo_);
-                for (unsigned g0 = lo_; g0 < hi_; g0 += G) send(ph, g0, min_u(G, hi_ - g0));
+                for (unsigned g0 = lo_; g0 < hi_; g0 += G) rg.send(ph.W, ph.K, g0, min_u(G, hi_ - g0), kt, lane);
             }
-            const unsigned s = take();
-            if (lane == 0) {
-                head[s] = {0, 0, 0, 0};
-                mbar_arrive(&full[s]);
-            }
-            __syncwarp();
+            rg.end_phase(lane);
         }
         return;
     }
 
-    unsigned b = 0;
     for (unsigned n = 0; n < phases; ++n) {
         const Phase ph = phase(m, n);
         unsigned ready = 0;  // input columns in xs
         if (n == 0 || sync != kCounters) {
             if (n == 0)
-                load_x0(m, xs, ph.K, threadIdx.x, kConsumers);
+                load_x(xs, m.x0, ph.K, kConsumers);
             else
                 load_in(ph, xs, 0, ph.K, threadIdx.x, kConsumers);
             consumers_sync();
             ready = ph.K;
         }
         float acc = 0.0f;
-        for (;; ++b) {
-            const unsigned s = b % slots;
-            mbar_wait(&full[s], (b / slots) & 1);
-            const SlotHead h = head[s];
-            if (h.nrows == 0) {
-                __syncwarp();
-                if (lane == 0) mbar_arrive(&empty[s]);
-                ++b;
-                break;
-            }
+        unsigned s;
+        for (SlotHead h; rg.next(s, h, lane);) {
             if (h.k0 + h.kk > ready) {
                 // Every reading warp is here, at the same tile: none reads xs
                 // while it grows.
@@ -295,7 +248,7 @@ __global__ void __launch_bounds__(512, 1)
                 consumers_sync();
                 ready = now;
             }
-            acc = read_tile(ring + s * slot_bytes, &empty[s], h.nrows, h.k0, h.kk, xs4, acc);
+            acc = read_tile(rg.tile(s), &empty[s], h.nrows, h.k0, h.kk, xs4, acc);
             if (h.k0 + h.kk >= ph.K) {
                 acc = finish_row(acc, h.nrows, ph.y + h.g0);
                 if (sync == kCounters && warp < h.nrows && lane == 0) signal_row(flags, n, ph, h.g0 + warp);

@@ -62,13 +62,6 @@ __device__ __forceinline__ Phase phase(const Model& m, unsigned n) {
             K};
 }
 
-// Rows per tile: the share cut into as few groups of at most 15 as possible,
-// evenly.
-__device__ __forceinline__ unsigned group_rows(unsigned share_rows) {
-    const unsigned groups = (share_rows + 14u) / 15u;
-    return groups == 0 ? 1u : (share_rows + groups - 1u) / groups;
-}
-
 // This CTA's tiles over the whole step, in the one order the producer sends
 // them and the readers take them: phase by phase, the CTA's share of rows in
 // groups of G (group_rows), each group cut into tiles of at most kt columns.
@@ -173,60 +166,29 @@ __global__ void __launch_bounds__(512, 1)
     const unsigned phases = 4 * m.layers + 1;
     init_slots(full, empty, slots);
 
+    HeadedRing rg{full, empty, head, ring, slot_bytes, slots};
     if (warp == 15) {
-        unsigned b = 0;
-        auto take = [&](unsigned& bt) {
-            const unsigned s = bt % slots;
-            if (bt >= slots) mbar_wait(&empty[s], ((bt / slots) - 1) & 1);
-            ++bt;
-            return s;
-        };
         for (unsigned n = 0; n < phases; ++n) {
             const Phase ph = phase(m, n);
             unsigned next = claim(claims, n, gd, lane);
             for (unsigned g0 = __shfl_sync(0xffffffffu, next, 0); g0 < ph.R;) {
                 next = claim(claims, n, gd, lane);
-                const unsigned nrows = min_u(gd, ph.R - g0);
-                for (unsigned k0 = 0; k0 < ph.K; k0 += kt) {
-                    const unsigned kk = min_u(kt, ph.K - k0), s = take(b);
-                    if (lane == 0) {
-                        head[s] = {g0, nrows, k0, kk};
-                        mbar_expect(&full[s], nrows * kk * 2);
-                    }
-                    __syncwarp();
-                    if (lane < nrows)
-                        bulk(ring + s * slot_bytes + lane * kk * 2, ph.W + (uint64_t)(g0 + lane) * ph.K + k0, kk * 2,
-                             &full[s]);
-                }
+                rg.send(ph.W, ph.K, g0, min_u(gd, ph.R - g0), kt, lane);
                 g0 = __shfl_sync(0xffffffffu, next, 0);
             }
-            const unsigned s = take(b);
-            if (lane == 0) {
-                head[s] = {0, 0, 0, 0};
-                mbar_arrive(&full[s]);
-            }
-            __syncwarp();
+            rg.end_phase(lane);
         }
         return;
     }
 
-    unsigned b = 0;
     for (unsigned n = 0; n < phases; ++n) {
         const Phase ph = phase(m, n);
         load_x(xs, xg, ph.K, kConsumers);
         consumers_sync();
         float acc = 0.0f;
-        for (;; ++b) {
-            const unsigned s = b % slots;
-            mbar_wait(&full[s], (b / slots) & 1);
-            const SlotHead h = head[s];
-            if (h.nrows == 0) {
-                __syncwarp();
-                if (lane == 0) mbar_arrive(&empty[s]);
-                ++b;
-                break;
-            }
-            acc = read_tile(ring + s * slot_bytes, &empty[s], h.nrows, h.k0, h.kk, xs4, acc);
+        unsigned s;
+        for (SlotHead h; rg.next(s, h, lane);) {
+            acc = read_tile(rg.tile(s), &empty[s], h.nrows, h.k0, h.kk, xs4, acc);
             if (h.k0 + h.kk >= ph.K) acc = finish_row(acc, h.nrows, ph.y + h.g0);
         }
         consumers_sync();

@@ -94,6 +94,13 @@ __device__ __forceinline__ float row_dot(const uint16_t* row, unsigned K, const 
     return warp_sum(acc);
 }
 
+// Rows per group of a CTA's share: the share cut into as few groups of at
+// most 15 as possible, evenly.
+__device__ __forceinline__ unsigned group_rows(unsigned share_rows) {
+    const unsigned groups = (share_rows + 14u) / 15u;
+    return groups == 0 ? 1u : (share_rows + groups - 1u) / groups;
+}
+
 // Lane 0 takes the next `c` rows of phase n from the grid's counter; the
 // atomic's result is read only when the warp needs it.
 __device__ __forceinline__ unsigned claim(unsigned* claims, unsigned n, unsigned c, unsigned lane) {
@@ -107,6 +114,60 @@ __device__ __forceinline__ unsigned claim(unsigned* claims, unsigned n, unsigned
 // readers which rows it holds.
 struct SlotHead {
     unsigned g0, nrows, k0, kk;  // nrows = 0: this CTA's part of the phase is done
+};
+
+// A ring whose slots carry a SlotHead, at shared address `ring`: the
+// producing warp sends row groups as tiles and ends each phase with an empty
+// slot; the reading warps take slots in the same order.
+struct HeadedRing {
+    uint64_t* full;
+    uint64_t* empty;
+    SlotHead* head;
+    unsigned ring, slot_bytes, slots;
+    unsigned b = 0;  // slots taken so far
+
+    // The producer's next slot, once the readers have freed it.
+    __device__ unsigned take() {
+        const unsigned s = b % slots;
+        if (b >= slots) mbar_wait(&empty[s], ((b / slots) - 1) & 1);
+        ++b;
+        return s;
+    }
+    // Rows [g0, g0 + nrows) of W [.][K] as tiles of at most kt columns, one
+    // bulk copy per row from lanes 0..nrows-1.
+    __device__ void send(const uint16_t* W, unsigned K, unsigned g0, unsigned nrows, unsigned kt, unsigned lane) {
+        for (unsigned k0 = 0; k0 < K; k0 += kt) {
+            const unsigned kk = min_u(kt, K - k0), s = take();
+            if (lane == 0) {
+                head[s] = {g0, nrows, k0, kk};
+                mbar_expect(&full[s], nrows * kk * 2);
+            }
+            __syncwarp();
+            if (lane < nrows) bulk(ring + s * slot_bytes + lane * kk * 2, W + (uint64_t)(g0 + lane) * K + k0, kk * 2, &full[s]);
+        }
+    }
+    // This CTA's part of the phase is done.
+    __device__ void end_phase(unsigned lane) {
+        const unsigned s = take();
+        if (lane == 0) {
+            head[s] = {0, 0, 0, 0};
+            mbar_arrive(&full[s]);
+        }
+        __syncwarp();
+    }
+    // A reading warp's next slot: waits for it and returns its header in h;
+    // false (the slot freed) at the end of the CTA's part of a phase.
+    __device__ bool next(unsigned& s, SlotHead& h, unsigned lane) {
+        s = b % slots;
+        mbar_wait(&full[s], (b / slots) & 1);
+        ++b;
+        h = head[s];
+        if (h.nrows != 0) return true;
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty[s]);
+        return false;
+    }
+    __device__ unsigned tile(unsigned s) const { return ring + s * slot_bytes; }
 };
 
 __global__ void fill(uint16_t* w, uint64_t n) {
