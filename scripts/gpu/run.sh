@@ -13,7 +13,7 @@
 #               takes minutes; FULL=1 runs it)
 #   test-NAME   one GPU test program (gpu, long_context, prefill, faults,
 #               endurance, scale, speculative), e.g. `test-faults`
-#   checksums   per-step logit checksums at 0.5B and 7B, both drivers; written
+#   checksums   per-step logit checksums at 0.5B, 7B and 14B, both drivers; written
 #               to $OUT/checksums.txt and compared against the recorded file
 #   bench       qwen-mk bench: decode 0.5B / 7B / 14B (short context), 7B at
 #               8,192 and 32,768 positions, both drivers at 0.5B and 7B
@@ -211,7 +211,7 @@ for step in $STEPS; do
       run_tests "$step" 550 $(test_args "$step") ;;
     checksums)
       rm -f "$OUT/checksums.txt"
-      QMK_CHECKSUMS_OUT="$OUT/checksums.txt" run_tests test-checksums 300
+      QMK_CHECKSUMS_OUT="$OUT/checksums.txt" run_tests test-checksums 540
       wc -l "$OUT/checksums.txt" 2>/dev/null ;;
     bench)
       for p in 0.5b 7b; do

@@ -1,4 +1,4 @@
-//! Per-step logit checksums of both drivers at 0.5B and 7B shapes
+//! Per-step logit checksums of both drivers at 0.5B, 7B and 14B shapes
 //! (synthetic weights), written as text lines to `$QMK_CHECKSUMS_OUT`
 //! (default: stdout only). A run on an H200 is the record that later kernel
 //! and host changes are compared against bit for bit: when the device is an
@@ -143,6 +143,8 @@ fn record<D: Driver>(preset: &str) {
 
 both!(a_0_5b, record, "0.5b");
 both!(b_7b, record, "7b");
+// 14B: the decode step streams its weights through the ring.
+both!(c_14b, record, "14b");
 
 /// The comparison itself, on the CPU: equal lines pass, a changed hash and
 /// a missing key are reported.
