@@ -32,6 +32,14 @@
 //   ring, claim g          the same ring, but the producer takes groups of
 //           g rows from the grid's per-phase counter instead of a fixed
 //           share; a header per slot tells the readers which rows it holds.
+//   ring, share r, joined  the fixed-share ring as the kernel built it
+//           (decision 0026): groups of at most r rows, and the producer
+//           takes part in every CTA-wide step. Before each phase's end it
+//           sends the phase's tiles and at most one ring beyond them (a
+//           count of the phase's tiles bounds it, not the tiles sent so
+//           far: 0026's flaw), then joins the CTA (512 threads) for the
+//           barrier and for the next phase's vector copy, and only then
+//           sends on.
 //
 // Every mode sums in the kernel's order (lane l takes 16-byte vectors l,
 // l + 32, ... ascending; then the xor tree), so every output must equal the
@@ -67,8 +75,11 @@ __device__ __forceinline__ Phase phase(const Model& m, unsigned n) {
 // groups of G (group_rows), each group cut into tiles of at most kt columns.
 struct Cursor {
     Phase ph;
-    unsigned n, phases, kt, hi, G, g0, nrows, k0, kk;
-    __device__ Cursor(const Model& m, unsigned kt_) : n(0), phases(4 * m.layers + 1), kt(kt_) { open(m); }
+    unsigned n, phases, kt, most, hi, G, g0, nrows, k0, kk;
+    __device__ Cursor(const Model& m, unsigned kt_, unsigned most_ = 15u)
+        : n(0), phases(4 * m.layers + 1), kt(kt_), most(most_) {
+        open(m);
+    }
     // Opens phase n, or the first later one where this CTA has rows.
     __device__ void open(const Model& m) {
         for (; n < phases; ++n) {
@@ -76,7 +87,7 @@ struct Cursor {
             unsigned lo_;
             share(ph.R, lo_, hi);
             if (lo_ < hi) {
-                G = group_rows(hi - lo_);
+                G = group_rows(hi - lo_, most);
                 g0 = lo_;
                 nrows = min_u(G, hi - g0);
                 k0 = 0;
@@ -109,6 +120,17 @@ struct Cursor {
 
 __device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+
+// Tiles of phase n for this CTA, as Cursor walks them: its share's groups
+// of at most `most` rows, each cut into tiles of at most kt columns.
+__device__ __forceinline__ unsigned tiles_in(const Model& m, unsigned n, unsigned kt, unsigned most) {
+    const Phase ph = phase(m, n);
+    unsigned lo_, hi_;
+    share(ph.R, lo_, hi_);
+    if (lo_ == hi_) return 0;
+    const unsigned G = group_rows(hi_ - lo_, most);
+    return (hi_ - lo_ + G - 1) / G * ((ph.K + kt - 1) / kt);
 }
 
 // Direct loads. claim_rows = 0: each CTA's balanced share, rows
@@ -197,45 +219,23 @@ __global__ void __launch_bounds__(512, 1)
     }
 }
 
-__global__ void __launch_bounds__(512, 1)
-    step_ring(Model m, const float* xg, unsigned long long* arrived, unsigned long long base, bool bar,
-              unsigned x_bytes, unsigned ring_bytes, unsigned kt, unsigned ahead) {
-    extern __shared__ __align__(128) unsigned char dyn[];
-    __shared__ uint64_t full[kSlots], empty[kSlots];
-    float* xs = reinterpret_cast<float*>(dyn);
-    const float4* xs4 = reinterpret_cast<const float4*>(xs);
-    const unsigned ring = (sa(dyn) + x_bytes + 127u) & ~127u;
-    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const unsigned slot_bytes = 15u * kt * 2u;
-    const unsigned slots = min_u((unsigned)kSlots, ring_bytes / slot_bytes);
-    init_slots(full, empty, slots);
+// The fixed-share ring's slots: the producer sends tile b of cursor c into
+// slot b % slots; the readers take a phase's tiles in the same order.
+struct ShareRing {
+    uint64_t* full;
+    uint64_t* empty;
+    unsigned ring, slot_bytes, slots;
 
-    if (warp == 15) {
-        // The producer: the whole step's tiles in order, waiting only for
-        // a free slot; `ahead` tiles further on are asked into L2 before
-        // that wait, so DRAM keeps streaming while the ring is full.
-        Cursor c(m, kt), p(m, kt);
-        for (unsigned a = 0; a < ahead && p.valid(); ++a, p.next(m))
-            if (lane < p.nrows) prefetch_l2(p.row(lane), p.kk * 2);
-        for (unsigned b = 0; c.valid(); ++b, c.next(m)) {
-            if (ahead && p.valid()) {
-                if (lane < p.nrows) prefetch_l2(p.row(lane), p.kk * 2);
-                p.next(m);
-            }
-            const unsigned s = b % slots;
-            if (b >= slots) mbar_wait(&empty[s], ((b / slots) - 1) & 1);
-            if (lane == 0) mbar_expect(&full[s], c.nrows * c.kk * 2);
-            __syncwarp();
-            if (lane < c.nrows) bulk(ring + s * slot_bytes + lane * c.kk * 2, c.row(lane), c.kk * 2, &full[s]);
-        }
-        return;
+    __device__ void send(const Cursor& c, unsigned b, unsigned lane) {
+        const unsigned s = b % slots;
+        if (b >= slots) mbar_wait(&empty[s], ((b / slots) - 1) & 1);
+        if (lane == 0) mbar_expect(&full[s], c.nrows * c.kk * 2);
+        __syncwarp();
+        if (lane < c.nrows) bulk(ring + s * slot_bytes + lane * c.kk * 2, c.row(lane), c.kk * 2, &full[s]);
     }
-
-    Cursor c(m, kt);
-    unsigned b = 0;
-    for (unsigned n = 0; n < c.phases; ++n) {
-        load_x(xs, xg, phase(m, n).K, kConsumers);
-        consumers_sync();
+    // A reading warp's part of phase n: its row of every tile, each row's
+    // total to the phase's output at the group's end.
+    __device__ void read_phase(const Model& m, Cursor& c, unsigned& b, unsigned n, const float4* xs4) {
         float acc = 0.0f;
         for (; c.valid() && c.n == n; ++b, c.next(m)) {
             const unsigned s = b % slots;
@@ -243,18 +243,105 @@ __global__ void __launch_bounds__(512, 1)
             acc = read_tile(ring + s * slot_bytes, &empty[s], c.nrows, c.k0, c.kk, xs4, acc);
             if (c.group_end()) acc = finish_row(acc, c.nrows, c.ph.y + c.g0);
         }
+    }
+};
+
+__global__ void __launch_bounds__(512, 1)
+    step_ring(Model m, const float* xg, unsigned long long* arrived, unsigned long long base, bool bar,
+              unsigned x_bytes, unsigned ring_bytes, unsigned kt, unsigned ahead, unsigned most) {
+    extern __shared__ __align__(128) unsigned char dyn[];
+    __shared__ uint64_t full[kSlots], empty[kSlots];
+    float* xs = reinterpret_cast<float*>(dyn);
+    const float4* xs4 = reinterpret_cast<const float4*>(xs);
+    const unsigned ring = (sa(dyn) + x_bytes + 127u) & ~127u;
+    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const unsigned slot_bytes = most * kt * 2u;
+    const unsigned slots = min_u((unsigned)kSlots, ring_bytes / slot_bytes);
+    init_slots(full, empty, slots);
+    ShareRing rg{full, empty, ring, slot_bytes, slots};
+
+    if (warp == 15) {
+        // The producer: the whole step's tiles in order, waiting only for
+        // a free slot; `ahead` tiles further on are asked into L2 before
+        // that wait, so DRAM keeps streaming while the ring is full.
+        Cursor c(m, kt, most), p(m, kt, most);
+        for (unsigned a = 0; a < ahead && p.valid(); ++a, p.next(m))
+            if (lane < p.nrows) prefetch_l2(p.row(lane), p.kk * 2);
+        for (unsigned b = 0; c.valid(); ++b, c.next(m)) {
+            if (ahead && p.valid()) {
+                if (lane < p.nrows) prefetch_l2(p.row(lane), p.kk * 2);
+                p.next(m);
+            }
+            rg.send(c, b, lane);
+        }
+        return;
+    }
+
+    Cursor c(m, kt, most);
+    unsigned b = 0;
+    for (unsigned n = 0; n < c.phases; ++n) {
+        load_x(xs, xg, phase(m, n).K, kConsumers);
+        consumers_sync();
+        rg.read_phase(m, c, b, n, xs4);
         consumers_sync();
         if (bar && threadIdx.x == 0) grid_arrive_wait(arrived, base + (unsigned long long)(n + 1) * gridDim.x);
         consumers_sync();
     }
 }
 
+// The fixed-share ring with the producer inside the CTA's steps, as the
+// kernel built it: groups of at most `most` rows; the producer sends a
+// phase's tiles, then at most `slots` beyond (their slots are freed by this
+// phase's tiles), then joins the whole CTA for the barrier and the next
+// phase's vector copy.
+__global__ void __launch_bounds__(512, 1)
+    step_ring_joined(Model m, const float* xg, unsigned long long* arrived, unsigned long long base, bool bar,
+                     unsigned x_bytes, unsigned ring_bytes, unsigned kt, unsigned most) {
+    extern __shared__ __align__(128) unsigned char dyn[];
+    __shared__ uint64_t full[kSlots], empty[kSlots];
+    float* xs = reinterpret_cast<float*>(dyn);
+    const float4* xs4 = reinterpret_cast<const float4*>(xs);
+    const unsigned ring = (sa(dyn) + x_bytes + 127u) & ~127u;
+    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const unsigned slot_bytes = most * kt * 2u;
+    const unsigned slots = min_u((unsigned)kSlots, ring_bytes / slot_bytes);
+    init_slots(full, empty, slots);
+    ShareRing rg{full, empty, ring, slot_bytes, slots};
+
+    Cursor c(m, kt, most);
+    unsigned b = 0;
+    auto send = [&] {
+        rg.send(c, b++, lane);
+        c.next(m);
+    };
+    unsigned through = 0;  // producer: the tiles of phases 0..n
+    if (warp == 15)
+        while (c.valid() && b < slots) send();
+    for (unsigned n = 0; n < c.phases; ++n) {
+        load_x(xs, xg, phase(m, n).K, 512);
+        __syncthreads();
+        if (warp == 15) {
+            // Tile b's slot is freed by tile b - slots: wait only for those
+            // of phases 0..n, which the readers take before the next step.
+            through += tiles_in(m, n, kt, most);
+            while (c.valid() && b < through + slots) send();
+        } else {
+            rg.read_phase(m, c, b, n, xs4);
+        }
+        __syncthreads();
+        if (bar && threadIdx.x == 0) grid_arrive_wait(arrived, base + (unsigned long long)(n + 1) * gridDim.x);
+        __syncthreads();
+    }
+}
+
 int main() {
+    setvbuf(stdout, nullptr, _IOLBF, 0);  // each line out as it is done, even into a file
     int sms;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     CK(cudaFuncSetAttribute(step_ring, cudaFuncAttributeMaxDynamicSharedMemorySize, 226 * 1024));
     CK(cudaFuncSetAttribute(step_direct, cudaFuncAttributeMaxDynamicSharedMemorySize, 226 * 1024));
     CK(cudaFuncSetAttribute(step_ring_claim, cudaFuncAttributeMaxDynamicSharedMemorySize, 225 * 1024));
+    CK(cudaFuncSetAttribute(step_ring_joined, cudaFuncAttributeMaxDynamicSharedMemorySize, 226 * 1024));
     unsigned* claims;  // one counter per phase, zeroed before every launch
     CK(cudaMalloc(&claims, 256 * 4));
     unsigned* sink;
@@ -297,16 +384,26 @@ int main() {
                    (!d.claim_rows && d.bar) ? "" : same ? "bit-identical" : "DIFFERS");
         }
         wt.point(m, 1);
-        // Rings: static shares (Cursor) or claimed groups of gd rows.
-        struct Ring { unsigned target, kt, ahead, gd; bool bar; };
+        // Rings: static shares (Cursor) of groups of at most `most` rows,
+        // the producer outside the CTA's steps or `joined` to them; or
+        // claimed groups of gd rows.
+        struct Ring {
+            unsigned target, kt, ahead, gd;
+            bool bar;
+            unsigned most = 15;
+            bool joined = false;
+        };
         const Ring rings[] = {{224u * 1024, 1024, 0, 0, true},  {224u * 1024, 1024, 0, 0, false},
                               {224u * 1024, 512, 0, 0, true},   {224u * 1024, 2048, 0, 0, true},
                               {224u * 1024, 1024, 4, 0, true},  {223u * 1024, 1024, 0, 15, true},
                               {223u * 1024, 1024, 0, 8, true},  {223u * 1024, 1024, 0, 4, true},
-                              {223u * 1024, 1024, 0, 15, false}};
+                              {223u * 1024, 1024, 0, 15, false},
+                              {224u * 1024, 1024, 0, 0, true, 14, false},
+                              {224u * 1024, 1024, 0, 0, true, 15, true},
+                              {224u * 1024, 1024, 0, 0, true, 14, true}};
         for (const Ring& r : rings) {
             const unsigned ring_bytes = (r.target - wt.x_bytes - 128) / 128 * 128;
-            const unsigned rows = r.gd ? r.gd : 15u;
+            const unsigned rows = r.gd ? r.gd : r.most;
             const unsigned slots = std::min(ring_bytes / (rows * r.kt * 2u), (unsigned)kSlots);
             if (slots < 2) continue;
             CK(cudaMemset(wt.y[1], 0xff, wt.yelems * 4));
@@ -315,18 +412,21 @@ int main() {
                     cudaMemsetAsync(claims, 0, 256 * 4);
                     step_ring_claim<<<sms, 512, wt.x_bytes + ring_bytes + 128>>>(m, wt.x, arrived, base(r.bar), r.bar,
                                                                               wt.x_bytes, ring_bytes, r.kt, r.gd, claims);
+                } else if (r.joined) {
+                    step_ring_joined<<<sms, 512, wt.x_bytes + ring_bytes + 128>>>(
+                        m, wt.x, arrived, base(r.bar), r.bar, wt.x_bytes, ring_bytes, r.kt, r.most);
                 } else {
                     step_ring<<<sms, 512, wt.x_bytes + ring_bytes + 128>>>(m, wt.x, arrived, base(r.bar), r.bar, wt.x_bytes,
-                                                                        ring_bytes, r.kt, r.ahead);
+                                                                        ring_bytes, r.kt, r.ahead, r.most);
                 }
             });
             CK(cudaMemcpy(hr.data(), wt.y[1], wt.yelems * 4, cudaMemcpyDeviceToHost));
             const bool same = memcmp(hd.data(), hr.data(), wt.yelems * 4) == 0;
             char ahead[32] = "";
             if (r.ahead) snprintf(ahead, sizeof ahead, ", L2 +%u tiles", r.ahead);
-            printf("ring %3u KB (%2u slots) kt %4u %s%2u%s%s: %8.1f us  %5.1f %% of read  %.3fx direct  %s\n",
+            printf("ring %3u KB (%2u slots) kt %4u %s%2u%s%s%s: %8.1f us  %5.1f %% of read  %.3fx direct  %s\n",
                    ring_bytes / 1024, slots, r.kt, r.gd ? "claim " : "share ", rows, ahead,
-                   r.bar ? "" : ", no grid barrier",
+                   r.joined ? ", producer joined" : "", r.bar ? "" : ", no grid barrier",
                    ms * 1e3, 100.0 * wt.read_ms / ms, direct_ms / ms, same ? "bit-identical" : "DIFFERS");
         }
     }

@@ -95,9 +95,9 @@ __device__ __forceinline__ float row_dot(const uint16_t* row, unsigned K, const 
 }
 
 // Rows per group of a CTA's share: the share cut into as few groups of at
-// most 15 as possible, evenly.
-__device__ __forceinline__ unsigned group_rows(unsigned share_rows) {
-    const unsigned groups = (share_rows + 14u) / 15u;
+// most `most` (15: one per reading warp) as possible, evenly.
+__device__ __forceinline__ unsigned group_rows(unsigned share_rows, unsigned most = 15u) {
+    const unsigned groups = (share_rows + most - 1u) / most;
     return groups == 0 ? 1u : (share_rows + groups - 1u) / groups;
 }
 
