@@ -143,7 +143,7 @@ fn record<D: Driver>(preset: &str) {
 
 both!(a_0_5b, record, "0.5b");
 both!(b_7b, record, "7b");
-// 14B: the decode step streams its weights through the ring.
+// 14B: a larger model's shapes (its own split plan, 5,120-wide rows).
 both!(c_14b, record, "14b");
 
 /// The comparison itself, on the CPU: equal lines pass, a changed hash and

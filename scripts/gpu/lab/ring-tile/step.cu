@@ -226,6 +226,16 @@ struct ShareRing {
     uint64_t* empty;
     unsigned ring, slot_bytes, slots;
 
+    // The ring after the activation vector (x_bytes) in `dyn`, 128-byte
+    // aligned, in slots of `rows` x kt bf16. The whole CTA calls it.
+    __device__ static ShareRing make(uint64_t* full, uint64_t* empty, const unsigned char* dyn, unsigned x_bytes,
+                                     unsigned ring_bytes, unsigned rows, unsigned kt) {
+        const unsigned slot_bytes = rows * kt * 2u;
+        const unsigned slots = min_u((unsigned)kSlots, ring_bytes / slot_bytes);
+        init_slots(full, empty, slots);
+        return {full, empty, (sa(dyn) + x_bytes + 127u) & ~127u, slot_bytes, slots};
+    }
+
     __device__ void send(const Cursor& c, unsigned b, unsigned lane) {
         const unsigned s = b % slots;
         if (b >= slots) mbar_wait(&empty[s], ((b / slots) - 1) & 1);
@@ -253,12 +263,8 @@ __global__ void __launch_bounds__(512, 1)
     __shared__ uint64_t full[kSlots], empty[kSlots];
     float* xs = reinterpret_cast<float*>(dyn);
     const float4* xs4 = reinterpret_cast<const float4*>(xs);
-    const unsigned ring = (sa(dyn) + x_bytes + 127u) & ~127u;
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const unsigned slot_bytes = most * kt * 2u;
-    const unsigned slots = min_u((unsigned)kSlots, ring_bytes / slot_bytes);
-    init_slots(full, empty, slots);
-    ShareRing rg{full, empty, ring, slot_bytes, slots};
+    ShareRing rg = ShareRing::make(full, empty, dyn, x_bytes, ring_bytes, most, kt);
 
     if (warp == 15) {
         // The producer: the whole step's tiles in order, waiting only for
@@ -301,12 +307,8 @@ __global__ void __launch_bounds__(512, 1)
     __shared__ uint64_t full[kSlots], empty[kSlots];
     float* xs = reinterpret_cast<float*>(dyn);
     const float4* xs4 = reinterpret_cast<const float4*>(xs);
-    const unsigned ring = (sa(dyn) + x_bytes + 127u) & ~127u;
     const unsigned warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    const unsigned slot_bytes = most * kt * 2u;
-    const unsigned slots = min_u((unsigned)kSlots, ring_bytes / slot_bytes);
-    init_slots(full, empty, slots);
-    ShareRing rg{full, empty, ring, slot_bytes, slots};
+    ShareRing rg = ShareRing::make(full, empty, dyn, x_bytes, ring_bytes, most, kt);
 
     Cursor c(m, kt, most);
     unsigned b = 0;
@@ -316,7 +318,7 @@ __global__ void __launch_bounds__(512, 1)
     };
     unsigned through = 0;  // producer: the tiles of phases 0..n
     if (warp == 15)
-        while (c.valid() && b < slots) send();
+        while (c.valid() && b < rg.slots) send();
     for (unsigned n = 0; n < c.phases; ++n) {
         load_x(xs, xg, phase(m, n).K, 512);
         __syncthreads();
@@ -324,7 +326,7 @@ __global__ void __launch_bounds__(512, 1)
             // Tile b's slot is freed by tile b - slots: wait only for those
             // of phases 0..n, which the readers take before the next step.
             through += tiles_in(m, n, kt, most);
-            while (c.valid() && b < through + slots) send();
+            while (c.valid() && b < through + rg.slots) send();
         } else {
             rg.read_phase(m, c, b, n, xs4);
         }
