@@ -42,6 +42,12 @@
 #include "prefill/gemm_phases.cuh" // the qkv, o_proj, gate/up and down GEMM phases of a layer
 #include "prefill/chunk.cuh"       // qmk_prefill_chunk
 
+// Per arch, from the host's NVRTC options (qmk_kernels::KernelBuild::arch_options):
+// the split attention's ring depth and the dynamic shared memory it sizes.
+#if !defined(QMK_ATTN_RING) || !defined(QMK_SMEM_FLOATS)
+#error "QMK_ATTN_RING and QMK_SMEM_FLOATS come from KernelBuild::arch_options"
+#endif
+
 // Shared memory: the activation vector of the current phase, or the
 // attention merge buffers.
 static_assert(QMK_SMEM_FLOATS >= QMK_HIDDEN && QMK_SMEM_FLOATS >= QMK_Q_DIM &&

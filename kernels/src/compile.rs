@@ -287,7 +287,11 @@ impl Compiler {
         h.update(arch.to_string().as_bytes());
         let (maj, min) = self.nvrtc.version();
         h.update(format!("nvrtc {maj}.{min}").as_bytes());
-        for o in self.options(arch) {
+        for o in self
+            .options(arch)
+            .into_iter()
+            .chain(build.arch_options(arch))
+        {
             h.update(o.as_bytes());
             h.update([0u8]);
         }
@@ -314,11 +318,13 @@ impl Compiler {
                 });
             }
         }
+        let mut options = self.options(arch);
+        options.extend(build.arch_options(arch));
         let compiled = self.nvrtc.compile(
             source::MAIN.0,
             source::MAIN.1,
             &build.headers(),
-            &self.options(arch),
+            &options,
             &arch.target(),
         )?;
         let mut cubin = Cubin {

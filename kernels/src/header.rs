@@ -15,6 +15,20 @@ pub const WARPS_PER_CTA: u64 = THREADS_PER_CTA as u64 / 32;
 /// Positions per warp tile of the split attention (`qmk::kAttnTile`).
 pub const ATTN_TILE: u64 = 16;
 
+/// 16-byte K/V slots each lane of the split attention keeps in flight on
+/// `arch` (`qmk::kAttnRing`, passed to NVRTC by
+/// [`KernelBuild::arch_options`]): a ring in shared memory filled by
+/// `cp.async`. A whole tile at head_dim 128 where a CTA may take 160 KB of
+/// shared memory or more; half of it elsewhere, where the deeper ring would
+/// push the 7B step past the 99 KB of sm_86 / sm_89.
+pub fn attn_ring(arch: crate::Arch) -> u64 {
+    if arch.max_smem_per_cta() >= 160 * 1024 {
+        16
+    } else {
+        8
+    }
+}
+
 /// Everything that goes into compiling the megakernel for one model.
 #[derive(Debug, Clone)]
 pub struct KernelBuild {
@@ -29,8 +43,10 @@ pub struct KernelBuild {
     /// Identifies (sources, headers); compiled into the cubin as
     /// `qmk_fingerprint` so a cubin built for another model is refused.
     pub fingerprint: u64,
-    /// Dynamic shared memory per CTA, bytes.
-    pub smem_bytes: u32,
+    /// Dynamic shared memory per CTA, floats, by the split attention's
+    /// ring depth: `(8 slots, 16 slots)` ([`attn_ring`]); the arch picks
+    /// ([`KernelBuild::smem_for`]).
+    pub smem_floats: (u64, u64),
     /// Grid barriers per decode step.
     pub barriers_per_step: u32,
     /// Dynamic shared memory per CTA of the prefill kernel, bytes.
@@ -45,6 +61,28 @@ pub struct KernelBuild {
 }
 
 impl KernelBuild {
+    /// Dynamic shared memory per CTA of the decode kernel as compiled for
+    /// `arch`, bytes.
+    pub fn smem_for(&self, arch: crate::Arch) -> u32 {
+        let f = if attn_ring(arch) == 16 {
+            self.smem_floats.1
+        } else {
+            self.smem_floats.0
+        };
+        // Checked when the build was made (both fit u32 as bytes).
+        (f * 4) as u32
+    }
+
+    /// The NVRTC options that depend on the arch: the split attention's
+    /// ring depth and the shared memory it sizes (`QMK_ATTN_RING`,
+    /// `QMK_SMEM_FLOATS`).
+    pub fn arch_options(&self, arch: crate::Arch) -> Vec<String> {
+        vec![
+            format!("-DQMK_ATTN_RING={}", attn_ring(arch)),
+            format!("-DQMK_SMEM_FLOATS={}", self.smem_for(arch) / 4),
+        ]
+    }
+
     /// Dynamic shared memory of the prefill kernel as compiled for `arch`.
     pub fn prefill_smem_for(&self, arch: crate::Arch) -> u32 {
         match self.prefill_smem_bytes_wgmma {
@@ -146,9 +184,9 @@ impl KernelBuild {
         )?;
         need(q % 8 == 0, "q_dim", format!("{q} is not a multiple of 8"))?;
         need(
-            d % 32 == 0,
+            d == 64 || d == 128,
             "head_dim",
-            format!("{d} is not a multiple of 32"),
+            format!("{d}: the kernel's attention supports 64 and 128 (every Qwen2.5 model)"),
         )?;
         need(
             heads % kvh == 0,
@@ -195,19 +233,23 @@ impl KernelBuild {
         }
 
         // The split attention (decode/attention.cuh, kAttnSplitSmemFloats): q of a
-        // kv group [G, D], then the larger of the tile probabilities
-        // [W, ATTN_TILE, 8] and the warp merge [W, G, D + 2].
+        // kv group [G, D], then the larger of the K/V ring [W, ATTN_RING, 32]
+        // of 16 bytes and the warp merge [W, G, D + 2].
         let group = heads / kvh.max(1);
-        let attn_split =
-            group * d + (WARPS_PER_CTA * ATTN_TILE * 8).max(WARPS_PER_CTA * group * (d + 2));
-        let smem_floats = [h, q, i, 2 * WARPS_PER_CTA + WARPS_PER_CTA * d, attn_split]
-            .into_iter()
-            .max()
-            .unwrap_or(h);
-        let smem_bytes = u32::try_from(smem_floats * 4).map_err(|_| KernelsError::Config {
-            field: "intermediate_size",
-            reason: "shared memory size overflows".into(),
-        })?;
+        let smem_floats_with = |ring: u64| -> Result<u64> {
+            let attn_stream = WARPS_PER_CTA * ring * 32 * 4;
+            let attn_split = group * d + attn_stream.max(WARPS_PER_CTA * group * (d + 2));
+            let floats = [h, q, i, 2 * WARPS_PER_CTA + WARPS_PER_CTA * d, attn_split]
+                .into_iter()
+                .max()
+                .unwrap_or(h);
+            u32::try_from(floats * 4).map_err(|_| KernelsError::Config {
+                field: "intermediate_size",
+                reason: "shared memory size overflows".into(),
+            })?;
+            Ok(floats)
+        };
+        let smem_floats = (smem_floats_with(8)?, smem_floats_with(16)?);
         let barriers = l * 5 + 1;
         need(
             h % PREFILL_GEMM_TILE.2 == 0 && q % PREFILL_GEMM_TILE.2 == 0 && i % PREFILL_GEMM_TILE.2 == 0,
@@ -233,7 +275,6 @@ impl KernelBuild {
             ("QMK_Q_DIM", q),
             ("QMK_KV_DIM", kv),
             ("QMK_TIED", config.tie_word_embeddings as u64),
-            ("QMK_SMEM_FLOATS", smem_floats),
             ("QMK_THREADS_PER_CTA", THREADS_PER_CTA as u64),
             ("QMK_BARRIERS_PER_STEP", barriers),
             ("QMK_PREFILL_SMEM_BYTES", pf_smem),
@@ -277,7 +318,7 @@ impl KernelBuild {
             plan_header,
             params_check,
             fingerprint,
-            smem_bytes,
+            smem_floats,
             barriers_per_step: barriers as u32,
             prefill_smem_bytes: u32::try_from(pf_smem).map_err(|_| KernelsError::Config {
                 field: "hidden_size",
@@ -333,6 +374,38 @@ mod tests {
             assert_eq!(b.prefill_smem_bytes_wgmma, Some(197_632), "{preset}");
             assert_eq!(b.prefill_smem_for(crate::Arch::SM90), 197_632);
             assert_eq!(b.prefill_smem_for(crate::Arch::SM89), 81_920);
+        }
+    }
+
+    #[test]
+    fn the_decode_shared_memory_follows_the_arch() {
+        use crate::Arch;
+        // 7B: the activation vector [18,944] f32 on sm_80 / sm_89 and below;
+        // on sm_90 the ring of 16 x 16-byte slots per lane (128 KB) and q
+        // [7, 128] f32 are larger.
+        let b = KernelBuild::new(&Config::preset("7b").unwrap()).unwrap();
+        assert_eq!(b.smem_for(Arch::SM89), 18_944 * 4);
+        assert_eq!(b.smem_for(Arch::SM90), (7 * 128 + 16 * 16 * 32 * 4) * 4);
+        assert_eq!(b.smem_for(Arch::SM80), b.smem_for(Arch::SM90));
+        assert_eq!(
+            b.arch_options(Arch::SM89),
+            ["-DQMK_ATTN_RING=8", "-DQMK_SMEM_FLOATS=18944"]
+        );
+        // The ring never pushes a preset past its arch's limit: it fits
+        // wherever its activation vector does (32B's and 72B's [I] f32 are
+        // past sm_89's 99 KB).
+        for preset in ["0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b"] {
+            let c = Config::preset(preset).unwrap();
+            let b = KernelBuild::new(&c).unwrap();
+            let vector = 4 * c.intermediate_size.max(c.hidden_size) as u32;
+            for arch in Arch::CI {
+                let limit = arch.max_smem_per_cta();
+                assert_eq!(
+                    b.smem_for(arch) <= limit,
+                    vector <= limit,
+                    "{preset} {arch}"
+                );
+            }
         }
     }
 }

@@ -43,7 +43,7 @@ fn megakernel_compiles_for_every_preset_and_arch() {
                 main.spill_loads,
                 main.stack_bytes,
                 main.smem_bytes,
-                build.smem_bytes,
+                build.smem_for(arch),
                 build.barriers_per_step
             );
             for r in res.iter().filter(|r| r.function != "qmk_decode_step") {

@@ -43,7 +43,8 @@
 #               qwen-mk build) joins as a third
 #   profile     qwen-mk bench --profile at 0.5B, 7B and 14B: the phase-skip
 #               variants and the step timeline per op (critical path, mean
-#               CTA busy time, barriers)
+#               CTA busy time, barriers); PROFILE_ROWS="name=bench args;..."
+#               replaces the rows (e.g. "7b-32k=--preset 7b --context 32768")
 #   hf          Hugging Face transformers eager on the same shapes
 #               (scripts/gpu/hf_side_by_side.py)
 #   real        the real 0.5B weights (QMK_REAL_QWEN, default /tmp/real-qwen/model,
@@ -261,7 +262,11 @@ for step in $STEPS; do
         done
       done ;;
     profile)
-      for p in 0.5b 7b 14b; do bench "profile-$p" qwen-mk --preset $p --profile; done
+      IFS=';' read -ra rows <<< "${PROFILE_ROWS:-0.5b=--preset 0.5b;7b=--preset 7b;14b=--preset 14b}"
+      for row in "${rows[@]}"; do
+        # shellcheck disable=SC2086
+        bench "profile-${row%%=*}" qwen-mk ${row#*=} --profile
+      done
       python3 - "$LOG/bench.jsonl" <<'EOF' | tee "$OUT/timeline.txt"
 import json, sys
 for line in open(sys.argv[1]):

@@ -49,7 +49,7 @@ pub fn run(a: CompileArgs) -> Result<()> {
         cubin.bytes.len(),
         build.fingerprint,
         build.barriers_per_step,
-        build.smem_bytes
+        build.smem_for(arch)
     );
     for r in cubin.resources() {
         text.push_str(&format!("  {r}\n"));

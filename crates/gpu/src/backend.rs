@@ -206,10 +206,10 @@ impl<D: Driver> GpuBackend<D> {
             None => KernelBuild::new(&config)?,
         };
         let device_name = format!("{} ({})", info.name, info.arch);
-        if build.smem_bytes > info.max_smem_optin {
+        if build.smem_for(info.arch) > info.max_smem_optin {
             return Err(Error::SharedMemory {
                 kernel: "megakernel",
-                needed: build.smem_bytes,
+                needed: build.smem_for(info.arch),
                 available: info.max_smem_optin,
                 device: device_name,
             });
@@ -343,7 +343,7 @@ impl<D: Driver> GpuBackend<D> {
         let launch = launch_shape(
             &driver,
             funcs.step,
-            build.smem_bytes,
+            build.smem_for(info.arch),
             info.sms,
             opts.ctas_per_sm,
             &device_name,

@@ -51,6 +51,63 @@ __device__ __forceinline__ uint4 ld_weight16(const void* p) {
     return v;
 }
 
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes global -> shared, bypassing L1; src_bytes = 0 writes zeros (rows
+// beyond the matrix; the source address must still be a valid one).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+// The same for 4 or 8 bytes (cp.async.cg copies only 16).
+template <int N>
+__device__ __forceinline__ void cp_async_small(u32 dst, const void* src, u32 src_bytes) {
+    static_assert(N == 4 || N == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N),
+                 "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// D += A B on tensor cores: bf16 m16n8k16, f32 accumulation (sm_80+).
+// Fragments (PTX ISA, mma.m16n8k16 .bf16; g = lane / 4, c = lane % 4):
+//   A (16 x 16, row-major) a0 = A[g][2c..2c+1]   a1 = A[g+8][2c..2c+1]
+//                          a2 = A[g][2c+8..+9]   a3 = A[g+8][2c+8..+9]
+//   B (16 x 8, "col")      b0 = B[2c..2c+1][g]   b1 = B[2c+8..+9][g]
+//   C (16 x 8, f32)        c0,c1 = C[g][2c..2c+1]  c2,c3 = C[g+8][2c..2c+1]
+// The lower-indexed element of a pair sits in the low 16 bits.
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The transpose of an 8 x 8 bf16 matrix held as m8n8 fragments (lane l:
+// row l / 4, columns 2 (l % 4) and + 1), in registers.
+__device__ __forceinline__ u32 movmatrix_trans(u32 a) {
+    u32 d;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
+    return d;
+}
+
+// Two f32 -> one bf16x2 word (lo in the low half), round to nearest even.
+__device__ __forceinline__ u32 cvt_bf16x2(float lo, float hi) {
+    u32 d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
 __device__ __forceinline__ u64 ld_acquire_u64(const u64* p) {
     u64 v;
     asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");

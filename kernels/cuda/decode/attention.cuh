@@ -7,8 +7,10 @@
 // sequence block s); the item computes all GROUP query heads of g, so each
 // K/V row is read from memory once per step, not GROUP times. The number of
 // blocks S follows pos at run time (attn_splits). Inside an item, warps
-// take tiles of 16 positions: scores with two lanes per position, one
-// softmax step per tile, P.V with lane = dims (details at the function).
+// take tiles of 16 positions on tensor cores: the scores and P.V as bf16
+// mma.sync with q and P split into hi + lo halves, one softmax step per
+// tile, K/V streamed ahead through a per-lane cp.async ring (details at the
+// function).
 // S == 1: the item writes attn. S > 1: it writes its partial (m, l, acc[D])
 // per head to p.attn_part; the last of the S items of g to finish (a ticket
 // counter per (layer, g), zeroed by CTA 0 at kernel start) combines the S
@@ -136,18 +138,22 @@ constexpr u32 kAttnGroup = QMK_HEADS / QMK_KV_HEADS;
 constexpr u32 kAttnSplitMinPositions = 128u;
 // Ticket words [L, KV heads], padded to 16 bytes.
 constexpr u32 kAttnTicketWords = (QMK_LAYERS * QMK_KV_HEADS + 3u) / 4u * 4u;
-// Split path tiles: a warp takes kAttnTile positions at a time, two
-// lanes per position for the scores (each half of the head's dims).
+// Split path tiles: a warp takes kAttnTile positions at a time.
 // Rendered from Rust (header::ATTN_TILE), which sizes the shared memory.
 constexpr u32 kAttnTile = (u32)QMK_ATTN_TILE;
-static_assert(kAttnTile == 16u, "split attention: the lane map assumes 16-position tiles");
-// Its shared memory (floats): q [G, D], then either the per-warp
-// probabilities [WARPS, TILE, 8] (streaming) or the warp merge
-// [WARPS, G] max + [WARPS, G] sum + [WARPS, G, D] acc (after the stream).
+static_assert(kAttnTile == 16u, "split attention: the fragment map assumes 16-position tiles");
+// 16-byte K/V slots in flight per lane: a ring in shared memory that
+// cp.async fills, so the loads ahead hold no registers. Rendered from Rust
+// (header::ATTN_RING).
+constexpr u32 kAttnRing = (u32)QMK_ATTN_RING;
+// Its shared memory (floats): q [G, D], then either the K/V ring
+// [WARPS, RING, 32] of 16 bytes (streaming) or the warp merge [WARPS, G]
+// max + [WARPS, G] sum + [WARPS, G, D] acc (after the stream).
 constexpr u32 kAttnSplitMergeFloats = QMK_WARPS * kAttnGroup * (QMK_HEAD_DIM + 2u);
+constexpr u32 kAttnSplitStreamFloats = QMK_WARPS * kAttnRing * 32u * 4u;
 constexpr u32 kAttnSplitSmemFloats =
     kAttnGroup * QMK_HEAD_DIM +
-    (kAttnSplitMergeFloats > QMK_WARPS * kAttnTile * 8u ? kAttnSplitMergeFloats : QMK_WARPS * kAttnTile * 8u);
+    (kAttnSplitMergeFloats > kAttnSplitStreamFloats ? kAttnSplitMergeFloats : kAttnSplitStreamFloats);
 
 // Most blocks per kv head: one item per CTA, capped (the scratch is sized
 // for it). The host's MemoryPlan uses the same formula
@@ -189,41 +195,49 @@ __device__ __forceinline__ void attn_merge_step(float& M, float& den, float4& nu
     }
 }
 
-// Split attention. Work item = (kv head g, sequence block
-// s), one per CTA; warp w takes the tiles of kAttnTile positions starting at
-// b0 + TILE * (w + WARPS * i). Per tile:
-//   scores: lane = (position lane % TILE, half lane / TILE of the dims); the
-//     lane's K half-row against all G heads' q (shared memory, broadcast
-//     reads), one xor shuffle joins the halves: no shuffle per position;
-//   softmax: one warp max per head per tile (m is warp-uniform), per-lane
-//     partial sums l, acc rescaled once per tile;
-//   P.V: lane = D/32 dims, the tile's positions in order, p[pos][h] from
-//     shared memory (broadcast), V rows read by the whole warp (coalesced),
-//     acc[G][D/32] in registers.
-// K and V of a tile are one stream of 16-byte slots per lane (D/16 K slots,
-// then D/16 V slots); a ring of kRing slots keeps the next ones in flight,
-// across tiles: 16 warps x 32 lanes x 4 (D = 128) or 8 (D = 64) x 16 B =
-// 32 / 64 KB of KV loads outstanding per SM. S == 1: the item
-// writes attn; S > 1: its partial (m, l, acc) per head to p.attn_part, and
-// the last of g's items (ticket) combines the S partials with the same
-// online merge in a fixed grouping and order, so the result is
-// bit-identical whichever CTA combines. Loads of K/V use __ldcg (this
-// step's row was written in this launch).
+// Split attention. Work item = (kv head g, sequence block s), one per CTA;
+// warp w takes the tiles of kAttnTile positions starting at
+// b0 + TILE * (w + WARPS * i), on tensor cores (bf16 mma.sync m16n8k16,
+// f32 accumulation) with the group's G <= 8 query heads as the narrow
+// dimension:
+//   scores: S^T [16 positions, 8 heads] = K [16 positions, D] q^T, D / 16
+//     k-steps; the dims of a k-step are permuted (the same way in K and q)
+//     so that a lane's A fragments of two k-steps are one 16-byte piece of
+//     a K row;
+//   softmax: one step per tile and head in base 2 (a lane holds 2 heads x
+//     2 positions; max and sum over the 8 lanes of a column);
+//   P.V: O^T [D, 8 heads] += V^T [D, 16 positions] P^T [16 positions, 8
+//     heads]; P^T goes from the score accumulators to a B fragment by
+//     movmatrix, and V^T's A fragments are byte permutes of 16-byte pieces
+//     of 4 V rows (the output dims permuted, undone where O is written).
+// q and P enter the products as bf16 pairs hi + lo (hi = bf16(x), lo =
+// bf16(x - hi)), two products each, so both keep about 16 bits (f32
+// would give 24; one bf16 8): the result stays within the one-CTA-per-head
+// path's f32 maths to ~1e-6 (the long-context tests bound it).
+// K and V of a tile are one stream of 16-byte slots per lane (D / 16 K
+// slots, then D / 16 V slots); each lane copies its next kAttnRing slots
+// ahead into its own ring in shared memory with cp.async, across tiles, and
+// reads back only what it copied (cp.async.wait_group is the whole
+// synchronisation). S == 1: the item writes attn; S > 1: its partial (m, l,
+// acc) per head to p.attn_part, and the last of g's items (ticket) combines
+// the S partials with the same online merge in a fixed grouping and order,
+// so the result is bit-identical whichever CTA combines. K/V rows of this
+// step were written in this launch: the copies go through L2 (cp.async.cg)
+// or, for the 8-byte pieces, through an L1 that never held those lines
+// (each layer's rows are read once per launch, after they are written).
 __device__ __forceinline__ void attention_split(const Params& p, u32 layer, u32 pos, float* smem) {
     constexpr int D = (int)QMK_HEAD_DIM;
     constexpr int G = (int)kAttnGroup;
     constexpr int TILE = (int)kAttnTile;
-    constexpr int HL = 32 / TILE;          // lanes per position in the scores
-    constexpr int VPL = D / 32;            // dims per lane in P.V
-    constexpr int PS = 16 / (2 * VPL);     // positions per V slot
-    constexpr int KS = D / HL / 8;         // K slots per tile
-    constexpr int VS = TILE / PS;          // V slots per tile
-    constexpr int NSLOT = KS + VS;
-    // A whole tile in flight when it has at most 8 slots (D <= 64), else 4:
-    // a ring of 8 spills at D = 128 (measured with ptxas, 128 registers).
-    constexpr int kRing = NSLOT <= 8 ? NSLOT : 4;
-    static_assert(D == 32 || D == 64 || D == 128 || D == 256, "split attention: head_dim 32/64/128/256");
-    static_assert(HL == 2 && KS >= 1 && NSLOT % kRing == 0, "split attention: slot layout");
+    constexpr int KSTEP = D / 16;          // k-steps of the scores
+    constexpr int KSL = D / 16;            // K slots per tile: rows r, r + 8 x D / 32 pieces
+    constexpr int VB = D / 64;             // 64-dim blocks of V per lane
+    constexpr int VSL = 4 * VB;            // V slots per tile: 4 rows x VB
+    constexpr int MT = D / 16;             // 16-dim tiles of O^T
+    constexpr int NSLOT = KSL + VSL;
+    constexpr int R = (int)kAttnRing;
+    static_assert(D == 64 || D == 128, "split attention: head_dim 64 or 128");
+    static_assert((R & (R - 1)) == 0 && (R % NSLOT == 0 || NSLOT % R == 0), "split attention: ring of 2^k slots");
     static_assert(G >= 1 && G <= 8, "split attention: up to 8 query heads per kv head");
     constexpr u32 STRIDE = kAttnTile * QMK_WARPS;  // positions between a warp's tiles
     const u32 n = pos + 1u, S = attn_splits(pos), SM = attn_split_max();
@@ -237,148 +251,190 @@ __device__ __forceinline__ void attention_split(const Params& p, u32 layer, u32 
     float* part_acc = reinterpret_cast<float*>(p.attn_part) + kAttnTicketWords;  // [HEADS, SM, D]
     float* part_ml = part_acc + (size_t)QMK_HEADS * SM * D;                       // [HEADS, SM, 2]
     float* qs = smem;                        // [G, D] q * scale * log2(e)
-    float* pb = qs + G * D;                  // [WARPS, TILE, 8] tile probabilities
     float* wm = qs + G * D;                  // [WARPS, G] (merge, after the stream)
     float* wl = wm + QMK_WARPS * G;          // [WARPS, G]
     float* wacc = wl + QMK_WARPS * G;        // [WARPS, G, D]
     __shared__ int s_last;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const u32 tl = lane % (u32)TILE, half = lane / (u32)TILE;
+    const u32 gr = lane >> 2, gc = lane & 3u;  // fragment row group, column pair
     const float qscale = 1.4426950408889634f / sqrtf((float)D);
-    float* pw = pb + warp * (u32)(TILE * 8);  // [TILE, 8] this warp's probabilities
+    // [R] 16-byte slots 32 apart: this lane's ring (lanes side by side, no
+    // bank conflicts); it shares its space with the merge buffers.
+    uint4* ring = reinterpret_cast<uint4*>(qs + G * D) + warp * (u32)R * 32u + lane;
 
     for (u32 item = blockIdx.x; item < QMK_KV_HEADS * S; item += gridDim.x) {
         const u32 g = item / S, s = item % S;
         const u32 b0 = s * B, b1 = min(n, b0 + B);
-        const koff_t kcol = (koff_t)(g * D + half * (D / HL)) * 2u;  // this lane's K half-row
-        const koff_t vcol = (koff_t)(g * D + lane * VPL) * 2u;       // this lane's V dims
-        // Slot k of the tile at t0; positions >= b1 read as zeros (never
-        // loaded: past the block, possibly never written).
-        auto load_slot = [&](u32 t0, int k) -> uint4 {
-            uint4 r = make_uint4(0u, 0u, 0u, 0u);
-            if (k < KS) {
-                const u32 t = t0 + tl;
-                if (t < b1) r = __ldcg(reinterpret_cast<const uint4*>(kl + kv_off(t, 0) + kcol + k * 16));
+        // Copies slot k of the tile at t0 into ring slot r. K slot k: row
+        // t0 + gr (+ 8 for odd k), dims 32 (k / 2) + 8 gc .. + 7. V slot
+        // v = k - KSL: row t0 + 2 gc + {0, 1, 8, 9}[v % 4], dims
+        // 64 (v / 4) + 8 gr .. + 7. Rows >= b1 are zero-filled, not read
+        // (past the block, possibly never written); the source address
+        // stays a valid one.
+        auto issue_slot = [&](u32 t0, int k, u32 r) {
+            u32 t, col;
+            const char* base;
+            if (k < KSL) {
+                t = t0 + gr + ((k & 1) ? 8u : 0u);
+                col = g * D + 32u * (u32)(k >> 1) + 8u * gc;
+                base = kl;
             } else {
-                u32 w[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-                for (int u = 0; u < PS; ++u) {
-                    const u32 t = t0 + (u32)((k - KS) * PS + u);
-                    if (t < b1) {
-                        const char* a = vl + kv_off(t, 0) + vcol;
-                        if constexpr (VPL == 8) {
-                            const uint4 x = __ldcg(reinterpret_cast<const uint4*>(a));
-                            w[0] = x.x; w[1] = x.y; w[2] = x.z; w[3] = x.w;
-                        } else if constexpr (VPL == 4) {
-                            const uint2 x = __ldcg(reinterpret_cast<const uint2*>(a));
-                            w[2 * u] = x.x; w[2 * u + 1] = x.y;
-                        } else if constexpr (VPL == 2) {
-                            w[u] = __ldcg(reinterpret_cast<const unsigned int*>(a));
-                        } else {
-                            w[u / 2] |= (u32)__ldcg(reinterpret_cast<const unsigned short*>(a)) << (16 * (u % 2));
-                        }
-                    }
-                }
-                r = make_uint4(w[0], w[1], w[2], w[3]);
+                const int v = k - KSL;
+                t = t0 + 2u * gc + (u32)(v & 1) + ((v & 2) ? 8u : 0u);
+                col = g * D + 64u * (u32)(v >> 2) + 8u * gr;
+                base = vl;
             }
-            return r;
+            const bool ok = t < b1;
+            cp_async16(smem_u32(ring + r * 32u), base + kv_off(ok ? t : b0, col), ok ? 16u : 0u);
         };
-        // The first slots go out before q is staged (independent of it).
+        // The first R slots go out before q is staged (independent of it):
+        // slot j is slot j % NSLOT of the tile j / NSLOT tiles on. Every
+        // slot is one commit group (empty past the block), so waiting for
+        // all but the newest R - 1 groups waits for the slot read next.
         u32 t0 = b0 + warp * (u32)TILE;
-        uint4 ring[kRing];
 #pragma unroll
-        for (int k = 0; k < kRing; ++k) ring[k] = load_slot(t0, k);
+        for (int j = 0; j < R; ++j) {
+            const u32 tj = t0 + (u32)(j / NSLOT) * STRIDE;
+            if (tj < b1) issue_slot(tj, j % NSLOT, (u32)j);
+            cp_async_commit();
+        }
         for (u32 i = threadIdx.x; i < (u32)(G * D); i += QMK_THREADS)
             qs[i] = __ldcg(q + g * G * D + i) * qscale;
         __syncthreads();
-        float m[G], l[G], acc[G][VPL];
+        // q^T's B fragments, hi and lo: head gr (zero past G), k-step ks =
+        // dims 32 (ks / 2) + 8 gc + 4 (ks % 2) .. + 3.
+        u32 qh[KSTEP][2], ql[KSTEP][2];
 #pragma unroll
-        for (int h = 0; h < G; ++h) {
-            m[h] = -QMK_INF;
-            l[h] = 0.0f;
-#pragma unroll
-            for (int j = 0; j < VPL; ++j) acc[h][j] = 0.0f;
+        for (int ks = 0; ks < KSTEP; ++ks) {
+            float4 f = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (gr < (u32)G)
+                f = *reinterpret_cast<const float4*>(qs + gr * D + 32u * (u32)(ks >> 1) + 8u * gc +
+                                                     4u * (u32)(ks & 1));
+            qh[ks][0] = cvt_bf16x2(f.x, f.y);
+            qh[ks][1] = cvt_bf16x2(f.z, f.w);
+            ql[ks][0] = cvt_bf16x2(f.x - bf16_lo(qh[ks][0]), f.y - bf16_hi(qh[ks][0]));
+            ql[ks][1] = cvt_bf16x2(f.z - bf16_lo(qh[ks][1]), f.w - bf16_hi(qh[ks][1]));
         }
-        // Warp-uniform bound: the shuffles below need every lane.
-        for (; t0 < b1; t0 += STRIDE) {
-            const u32 tn = t0 + STRIDE;
-            float sc[G];
+        // Per lane: heads 2 gc + e (e = 0, 1); o[mt][e + 2 i] is dim
+        // 64 (mt / 4) + 8 gr + 2 (mt % 4) + i of head 2 gc + e.
+        float m[2] = {-QMK_INF, -QMK_INF}, l[2] = {0.0f, 0.0f};
+        float o[MT][4];
 #pragma unroll
-            for (int h = 0; h < G; ++h) sc[h] = 0.0f;
+        for (int mt = 0; mt < MT; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.0f;
+        // Warp-uniform bound: the shuffles and mma.sync below need every lane.
+        u32 rb = 0u;  // ring slot of this tile's slot 0
+        for (; t0 < b1; t0 += STRIDE) {
+            float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // S^T: rows gr, gr + 8; heads 2 gc, + 1
+            uint4 xk[2], xv[4];
+            u32 pb[2], plo[2];  // P^T's B fragments, hi and lo: positions 0-7, 8-15
 #pragma unroll
             for (int k = 0; k < NSLOT; ++k) {
-                const uint4 x = ring[k % kRing];
-                ring[k % kRing] = k + kRing < NSLOT ? load_slot(t0, k + kRing) : load_slot(tn, k + kRing - NSLOT);
-                if (k < KS) {
-#pragma unroll
-                    for (int h = 0; h < G; ++h) {
-                        const float4* qq =
-                            reinterpret_cast<const float4*>(qs + h * D + half * (u32)(D / HL) + k * 8);
-                        sc[h] = dot8(x, qq[0], qq[1], sc[h]);
+                const u32 r = (rb + (u32)k) & (u32)(R - 1);
+                cp_async_wait<R - 1>();
+                const uint4 x = ring[r * 32u];
+                {
+                    // The slot R on goes into the one just read (this
+                    // lane's own load of it was issued first).
+                    const u32 tq = t0 + (u32)((k + R) / NSLOT) * STRIDE;
+                    if (tq < b1) issue_slot(tq, (k + R) % NSLOT, r);
+                    cp_async_commit();
+                }
+                if (k < KSL) {
+                    xk[k & 1] = x;
+                    if (k & 1) {
+                        // k-steps 2 (k / 2) and + 1: rows gr (xk[0]) and gr + 8 (xk[1]).
+                        const int ks = k - 1;
+                        const u32 a0[4] = {xk[0].x, xk[1].x, xk[0].y, xk[1].y};
+                        const u32 a1[4] = {xk[0].z, xk[1].z, xk[0].w, xk[1].w};
+                        mma_bf16_16816(sc, a0, qh[ks][0], qh[ks][1]);
+                        mma_bf16_16816(sc, a0, ql[ks][0], ql[ks][1]);
+                        mma_bf16_16816(sc, a1, qh[ks + 1][0], qh[ks + 1][1]);
+                        mma_bf16_16816(sc, a1, ql[ks + 1][0], ql[ks + 1][1]);
                     }
                 }
-                if (k == KS - 1) {
-                    // Tile softmax. t0 < b1: position t0 (lanes 0 and
-                    // TILE) is valid, so every tile max is finite.
-                    const bool ok = t0 + tl < b1;
+                if (k == KSL - 1) {
+                    // Tile softmax. t0 < b1: position t0 (row 0) is valid,
+                    // so every tile max is finite.
+                    const bool ok0 = t0 + gr < b1, ok1 = t0 + gr + 8u < b1;
+                    float pr[4];
 #pragma unroll
-                    for (int h = 0; h < G; ++h) {
-                        // a + b == b + a: both halves get the same bits.
-                        float sv = sc[h] + __shfl_xor_sync(QMK_FULL_MASK, sc[h], TILE);
-                        sv = ok ? sv : -QMK_INF;
-                        float mx = sv;
+                    for (int e = 0; e < 2; ++e) {
+                        const float s0 = ok0 ? sc[e] : -QMK_INF, s1 = ok1 ? sc[2 + e] : -QMK_INF;
+                        float mx = fmaxf(s0, s1);
+                        mx = fmaxf(mx, __shfl_xor_sync(QMK_FULL_MASK, mx, 4));
+                        mx = fmaxf(mx, __shfl_xor_sync(QMK_FULL_MASK, mx, 8));
+                        mx = fmaxf(mx, __shfl_xor_sync(QMK_FULL_MASK, mx, 16));
+                        mx = fmaxf(m[e], mx);
+                        const float c = exp2f(m[e] - mx);
+                        pr[e] = exp2f(s0 - mx);
+                        pr[2 + e] = exp2f(s1 - mx);
+                        l[e] = fmaf(l[e], c, pr[e] + pr[2 + e]);
+                        m[e] = mx;
 #pragma unroll
-                        for (int o = TILE / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(QMK_FULL_MASK, mx, o));
-                        mx = fmaxf(m[h], mx);
-                        const float c = exp2f(m[h] - mx), e = exp2f(sv - mx);
-                        l[h] = fmaf(l[h], c, half == 0u ? e : 0.0f);
-#pragma unroll
-                        for (int j = 0; j < VPL; ++j) acc[h][j] *= c;
-                        m[h] = mx;
-                        if (half == 0u) pw[tl * 8u + h] = e;
+                        for (int mt = 0; mt < MT; ++mt) {
+                            o[mt][e] *= c;
+                            o[mt][2 + e] *= c;
+                        }
                     }
-                    __syncwarp();
+                    // P^T rows 0-7 (pr[0..1]) and 8-15 (pr[2..3]) as m8n8
+                    // fragments, transposed into B fragments.
+#pragma unroll
+                    for (int hlf = 0; hlf < 2; ++hlf) {
+                        const u32 hi = cvt_bf16x2(pr[2 * hlf], pr[2 * hlf + 1]);
+                        const u32 lo = cvt_bf16x2(pr[2 * hlf] - bf16_lo(hi), pr[2 * hlf + 1] - bf16_hi(hi));
+                        pb[hlf] = movmatrix_trans(hi);
+                        plo[hlf] = movmatrix_trans(lo);
+                    }
                 }
-                if (k >= KS) {
-                    const u32 xw[4] = {x.x, x.y, x.z, x.w};
+                if (k >= KSL) {
+                    const int v = k - KSL;
+                    xv[v & 3] = x;
+                    if ((v & 3) == 3) {
+                        // Block v / 4: rows 2 gc, + 1, + 8, + 9 of dims
+                        // 64 b + 8 gr .. + 7; word w of a row holds dims
+                        // 2 w, 2 w + 1 of those.
+                        const int b = v >> 2;
+                        const u32 r0[4] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w};
+                        const u32 r1[4] = {xv[1].x, xv[1].y, xv[1].z, xv[1].w};
+                        const u32 r8[4] = {xv[2].x, xv[2].y, xv[2].z, xv[2].w};
+                        const u32 r9[4] = {xv[3].x, xv[3].y, xv[3].z, xv[3].w};
 #pragma unroll
-                    for (int u = 0; u < PS; ++u) {
-                        const int tt = (k - KS) * PS + u;
-                        float pv[8];
-                        const float4 p0 = *reinterpret_cast<const float4*>(pw + tt * 8);
-                        pv[0] = p0.x; pv[1] = p0.y; pv[2] = p0.z; pv[3] = p0.w;
-                        if constexpr (G > 4) {
-                            const float4 p1 = *reinterpret_cast<const float4*>(pw + tt * 8 + 4);
-                            pv[4] = p1.x; pv[5] = p1.y; pv[6] = p1.z; pv[7] = p1.w;
+                        for (int w = 0; w < 4; ++w) {
+                            const u32 a[4] = {__byte_perm(r0[w], r1[w], 0x5410), __byte_perm(r0[w], r1[w], 0x7632),
+                                              __byte_perm(r8[w], r9[w], 0x5410), __byte_perm(r8[w], r9[w], 0x7632)};
+                            mma_bf16_16816(o[4 * b + w], a, pb[0], pb[1]);
+                            mma_bf16_16816(o[4 * b + w], a, plo[0], plo[1]);
                         }
-                        float v[VPL];
-#pragma unroll
-                        for (int j = 0; j < VPL; ++j) {
-                            const int e = u * VPL + j;  // bf16 index in the slot
-                            v[j] = (e & 1) ? bf16_hi(xw[e / 2]) : bf16_lo(xw[e / 2]);
-                        }
-#pragma unroll
-                        for (int h = 0; h < G; ++h)
-#pragma unroll
-                            for (int j = 0; j < VPL; ++j) acc[h][j] = fmaf(pv[h], v[j], acc[h][j]);
                     }
                 }
             }
-            // The next tile's probabilities overwrite pw.
-            __syncwarp();
+            rb = (rb + (u32)NSLOT) & (u32)(R - 1);
         }
+        // Nothing is left in flight (every copy issued was for a slot read
+        // above); the merge buffers below reuse the ring.
+        cp_async_wait<0>();
 #pragma unroll
-        for (int h = 0; h < G; ++h) l[h] = warp_sum(l[h]);
-        // pb and the merge buffers overlap: every warp is done with pb.
+        for (int e = 0; e < 2; ++e) {
+            l[e] += __shfl_xor_sync(QMK_FULL_MASK, l[e], 4);
+            l[e] += __shfl_xor_sync(QMK_FULL_MASK, l[e], 8);
+            l[e] += __shfl_xor_sync(QMK_FULL_MASK, l[e], 16);
+        }
         __syncthreads();
 #pragma unroll
-        for (int h = 0; h < G; ++h) {
-            if (lane == 0) {
-                wm[warp * G + h] = m[h];
-                wl[warp * G + h] = l[h];
-            }
+        for (int e = 0; e < 2; ++e) {
+            const u32 h = 2u * gc + (u32)e;
+            if (h < (u32)G) {
+                if (gr == 0u) {
+                    wm[warp * G + h] = m[e];
+                    wl[warp * G + h] = l[e];
+                }
+                float* wa = wacc + (warp * G + h) * D + 8u * gr;
 #pragma unroll
-            for (int j = 0; j < VPL; ++j) wacc[(warp * G + h) * D + lane * VPL + j] = acc[h][j];
+                for (int mt = 0; mt < MT; ++mt) {
+                    wa[64 * (mt >> 2) + 2 * (mt & 3)] = o[mt][e];
+                    wa[64 * (mt >> 2) + 2 * (mt & 3) + 1] = o[mt][2 + e];
+                }
+            }
         }
         __syncthreads();
         // Merge the warps, in warp order; thread = (head, 4 dims).
