@@ -217,7 +217,7 @@ pub(crate) mod tests {
         c.num_hidden_layers = 3;
         c.num_attention_heads = 4;
         c.num_key_value_heads = Some(2);
-        c.head_dim = Some(32);
+        c.head_dim = Some(64);
         c.vocab_size = 512;
         c
     }
