@@ -62,14 +62,6 @@ __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_byt
                  "r"(src_bytes)
                  : "memory");
 }
-// The same for 4 or 8 bytes (cp.async.cg copies only 16).
-template <int N>
-__device__ __forceinline__ void cp_async_small(u32 dst, const void* src, u32 src_bytes) {
-    static_assert(N == 4 || N == 8, "cp.async.ca copies 4, 8 or 16 bytes");
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(N),
-                 "r"(src_bytes)
-                 : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

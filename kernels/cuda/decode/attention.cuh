@@ -143,8 +143,8 @@ constexpr u32 kAttnTicketWords = (QMK_LAYERS * QMK_KV_HEADS + 3u) / 4u * 4u;
 constexpr u32 kAttnTile = (u32)QMK_ATTN_TILE;
 static_assert(kAttnTile == 16u, "split attention: the fragment map assumes 16-position tiles");
 // 16-byte K/V slots in flight per lane: a ring in shared memory that
-// cp.async fills, so the loads ahead hold no registers. Rendered from Rust
-// (header::ATTN_RING).
+// cp.async fills, so the loads ahead hold no registers. Its depth follows
+// the arch's shared memory (qmk_kernels::attn_ring, an NVRTC option).
 constexpr u32 kAttnRing = (u32)QMK_ATTN_RING;
 // Its shared memory (floats): q [G, D], then either the K/V ring
 // [WARPS, RING, 32] of 16 bytes (streaming) or the warp merge [WARPS, G]
@@ -212,8 +212,8 @@ __device__ __forceinline__ void attn_merge_step(float& M, float& den, float4& nu
 //     of 4 V rows (the output dims permuted, undone where O is written).
 // q and P enter the products as bf16 pairs hi + lo (hi = bf16(x), lo =
 // bf16(x - hi)), two products each, so both keep about 16 bits (f32
-// would give 24; one bf16 8): the result stays within the one-CTA-per-head
-// path's f32 maths to ~1e-6 (the long-context tests bound it).
+// would give 24; one bf16 8): the logits stay within ~1e-6 of the
+// one-CTA-per-head path's f32 maths (the long-context tests allow 1e-3).
 // K and V of a tile are one stream of 16-byte slots per lane (D / 16 K
 // slots, then D / 16 V slots); each lane copies its next kAttnRing slots
 // ahead into its own ring in shared memory with cp.async, across tiles, and
@@ -221,10 +221,8 @@ __device__ __forceinline__ void attn_merge_step(float& M, float& den, float4& nu
 // synchronisation). S == 1: the item writes attn; S > 1: its partial (m, l,
 // acc) per head to p.attn_part, and the last of g's items (ticket) combines
 // the S partials with the same online merge in a fixed grouping and order,
-// so the result is bit-identical whichever CTA combines. K/V rows of this
-// step were written in this launch: the copies go through L2 (cp.async.cg)
-// or, for the 8-byte pieces, through an L1 that never held those lines
-// (each layer's rows are read once per launch, after they are written).
+// so the result is bit-identical whichever CTA combines. The copies go
+// through L2 (cp.async.cg): this step's K/V row was written in this launch.
 __device__ __forceinline__ void attention_split(const Params& p, u32 layer, u32 pos, float* smem) {
     constexpr int D = (int)QMK_HEAD_DIM;
     constexpr int G = (int)kAttnGroup;
