@@ -105,8 +105,11 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
         if (!(skip & 1u)) qkv_proj(p, layer, token, pos, xs, red);
         if (!bar.sync(p, kPhaseQkv, layer)) return;
         if (!(skip & 2u)) {
-            if (split_attn) attention_split(p, layer, pos, xs);
-            else attention(p, layer, pos, xs);
+            if (split_attn) {
+                if (!attention_split(p, layer, pos, xs)) return;
+            } else {
+                attention(p, layer, pos, xs);
+            }
         }
         if (!bar.sync(p, kPhaseAttention, layer)) return;
         if (!(skip & 4u)) o_proj(p, layer, token, xs);

@@ -233,12 +233,17 @@ impl KernelBuild {
         }
 
         // The split attention (decode/attention.cuh, kAttnSplitSmemFloats): q of a
-        // kv group [G, D], then the larger of the K/V ring [W, ATTN_RING, 32]
-        // of 16 bytes and the warp merge [W, G, D + 2].
+        // kv group [G, D], then the largest of the K/V ring [W, ATTN_RING, 32]
+        // of 16 bytes, the warp merge [W, G, D + 2] and the combine's stage
+        // [W, ATTN_MAX_SPLITS, 6].
         let group = heads / kvh.max(1);
+        let combine_stage = WARPS_PER_CTA * u64::from(crate::params::ATTN_MAX_SPLITS) * 6;
         let smem_floats_with = |ring: u64| -> Result<u64> {
             let attn_stream = WARPS_PER_CTA * ring * 32 * 4;
-            let attn_split = group * d + attn_stream.max(WARPS_PER_CTA * group * (d + 2));
+            let attn_split = group * d
+                + attn_stream
+                    .max(WARPS_PER_CTA * group * (d + 2))
+                    .max(combine_stage);
             let floats = [h, q, i, 2 * WARPS_PER_CTA + WARPS_PER_CTA * d, attn_split]
                 .into_iter()
                 .max()

@@ -28,6 +28,11 @@ pub const FLAG_TOKEN_FROM_ARGMAX: u32 = 1;
 /// error).
 pub const FLAG_DEBUG_HANG: u32 = 2;
 
+/// [`KernelParams::flags`], fault tests: the split attention's first item
+/// (kv head 0, block 0) never releases its ticket, so every CTA waiting for
+/// kv head 0's partials must give up with [`err::COUNTER_TIMEOUT`].
+pub const FLAG_DEBUG_NO_TICKET: u32 = 16;
+
 /// [`KernelParams::flags`], profiling: thread 0 of every CTA writes the
 /// step's timeline to [`KernelParams::trace`] (its start, each grid
 /// barrier's arrival and release, and on CTA 0 the end, in `%globaltimer`
@@ -157,12 +162,16 @@ pub struct KernelParams {
     pub attn_part: u64,
     /// Step timeline written under [`FLAG_TRACE`], u64 `[grid, B + 1, 2]`
     /// with B grid barriers per step: slot 0 holds (start, end; end on CTA
-    /// 0 only), slot k (arrival, release) of barrier k (device address).
+    /// 0 only), slot k (arrival, release) of barrier k; then u64 `[grid, L,`
+    /// [`ATTN_MARKS`]`]`, the split attention's marks (device address).
     pub trace: u64,
 }
 
 /// Most sequence blocks per kv head of the split attention (`qmk::kAttnMaxSplits`).
 pub const ATTN_MAX_SPLITS: u32 = 64;
+/// Timeline marks per layer inside the split attention (`qmk::kAttnMarks`):
+/// q staged, stream done, partial out, the CTA's combine share done.
+pub const ATTN_MARKS: u32 = 4;
 
 /// Prefill parameters (`qmk::PrefillParams`, entry `qmk_prefill_chunk`):
 /// one launch processes positions `start..start + n_tokens` of a prompt.
@@ -297,6 +306,9 @@ pub mod err {
     pub const BAD_TOKEN: u32 = 3;
     /// The position is past the KV cache capacity.
     pub const BAD_POS: u32 = 4;
+    /// A wait on a counter (the split attention's tickets) ran past its
+    /// time budget.
+    pub const COUNTER_TIMEOUT: u32 = 5;
 
     /// A short description of an error code.
     pub fn name(code: u32) -> &'static str {
@@ -306,6 +318,7 @@ pub mod err {
             ABORTED => "aborted by the host",
             BAD_TOKEN => "token out of the vocabulary",
             BAD_POS => "position past the KV capacity",
+            COUNTER_TIMEOUT => "counter wait timed out",
             _ => "unknown error code",
         }
     }
@@ -375,12 +388,12 @@ pub fn params_check_header() -> String {
         "static_assert(QMK_MAX_CHUNKS == {MAX_CHUNKS}, \"QMK_MAX_CHUNKS differs from Rust MAX_CHUNKS\");\n"
     ));
     out.push_str(&format!(
-        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagTrace == {FLAG_TRACE}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kFlagPfMmaSync == {FLAG_PF_MMA_SYNC}u && qmk::kFlagPfNoStreamK == {FLAG_PF_NO_STREAM_K}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n\
-         static_assert(qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u, \"split attention constants differ\");\n"
+        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagTrace == {FLAG_TRACE}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagDebugNoTicket == {FLAG_DEBUG_NO_TICKET}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kFlagPfMmaSync == {FLAG_PF_MMA_SYNC}u && qmk::kFlagPfNoStreamK == {FLAG_PF_NO_STREAM_K}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n\
+         static_assert(qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u && qmk::kAttnMarks == {ATTN_MARKS}u, \"split attention constants differ\");\n"
     ));
     out.push_str(&format!(
-        "static_assert(qmk::kErrBarrierTimeout == {}u && qmk::kErrAborted == {}u && qmk::kErrBadToken == {}u && qmk::kErrBadPos == {}u, \"error codes differ\");\n",
-        err::BARRIER_TIMEOUT, err::ABORTED, err::BAD_TOKEN, err::BAD_POS
+        "static_assert(qmk::kErrBarrierTimeout == {}u && qmk::kErrAborted == {}u && qmk::kErrBadToken == {}u && qmk::kErrBadPos == {}u && qmk::kErrCounterTimeout == {}u, \"error codes differ\");\n",
+        err::BARRIER_TIMEOUT, err::ABORTED, err::BAD_TOKEN, err::BAD_POS, err::COUNTER_TIMEOUT
     ));
     check_struct!(
         out,
@@ -561,6 +574,7 @@ mod tests {
             FLAG_DEBUG_HANG,
             FLAG_TRACE,
             FLAG_DEBUG_OOB,
+            FLAG_DEBUG_NO_TICKET,
             FLAG_ATTN_NO_SPLIT,
             FLAG_ATTN_FORCE_SPLIT,
             FLAG_PF_MMA_SYNC,

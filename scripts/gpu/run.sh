@@ -38,13 +38,14 @@
 #   ab          baseline vs this build, interleaved in rounds: decode 0.5B,
 #               7B, 14B, 7B at 32,768 positions and prefill 7B at 2,048
 #               (needs BASE at build time). AB_ROWS="name=bench args;..."
-#               replaces the rows, AB_ROUNDS (default 2) the rounds; a
-#               variant binary put at $CARRY/alt-qwen-mk.xz here (xz of a
-#               qwen-mk build) joins as a third
+#               replaces the rows, AB_ROUNDS (default 2) the rounds; variant
+#               binaries put at $CARRY/alt-NAME.xz here (xz of a qwen-mk
+#               build) join them
 #   profile     qwen-mk bench --profile at 0.5B, 7B and 14B: the phase-skip
 #               variants and the step timeline per op (critical path, mean
 #               CTA busy time, barriers); PROFILE_ROWS="name=bench args;..."
-#               replaces the rows (e.g. "7b-32k=--preset 7b --context 32768")
+#               replaces the rows (e.g. "7b-32k=--preset 7b --context 32768");
+#               PROFILE_ALTS=1 profiles the variant binaries too
 #   hf          Hugging Face transformers eager on the same shapes
 #               (scripts/gpu/hf_side_by_side.py)
 #   real        the real 0.5B weights (QMK_REAL_QWEN, default /tmp/real-qwen/model,
@@ -67,8 +68,8 @@
 #               scripts/gpu/serve_speed.py: the server's logged time to first
 #               token and tok/s against `generate` on the same request
 #   sanitizer   compute-sanitizer memcheck, racecheck, synccheck, initcheck on
-#               a short prefill + decode, both drivers; the OOB hook must be
-#               caught
+#               a short prefill + decode, both drivers, and on steps of the
+#               split attention at 300 positions; the OOB hook must be caught
 #
 # Every step runs under `timeout`; a failure never stops the script; logs go
 # to $OUT/logs.tgz and a summary (PASS / FAIL per step, key numbers) is
@@ -137,10 +138,14 @@ timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clo
 # A warm machine keeps the last call's binaries: start from this carry's only,
 # so a baseline or variant left out of it is not run again.
 rm -rf "${BIN:?}"/* && tar -C "$BIN" -xJf "$CARRY/bin.tar.xz" || note "FAIL unpack $CARRY/bin.tar.xz"
-# A third binary for `ab` (a variant built here), optional.
-if [[ -f $CARRY/alt-qwen-mk.xz ]]; then
-  xz -dc "$CARRY/alt-qwen-mk.xz" > "$BIN/alt-qwen-mk" && chmod +x "$BIN/alt-qwen-mk"
-fi
+# Variant binaries for `ab` and `profile` (built here), optional:
+# $CARRY/alt-NAME.xz becomes $BIN/alt-NAME.
+for f in "$CARRY"/alt-*.xz; do
+  [[ -f $f ]] || continue
+  a=$BIN/$(basename "$f" .xz)
+  xz -dc "$f" > "$a" && chmod +x "$a"
+done
+ALTS=$(cd "$BIN" && ls alt-* 2>/dev/null | tr '\n' ' ')
 
 # One test program, one test at a time; PASS needs exit 0, a result line and
 # no SKIPPED line (on the GPU machine a skip is a failure).
@@ -254,7 +259,7 @@ for step in $STEPS; do
       [[ -x $BIN/base-qwen-mk ]] || { note "FAIL ab: no baseline binary (BASE at build time)"; continue; }
       IFS=';' read -ra rows <<< "${AB_ROWS:-0.5b=--preset 0.5b;7b=--preset 7b;14b=--preset 14b;7b-32k=--preset 7b --context 32768;prefill-7b-2048=--preset 7b --prefill 2048 --prefill-chunk 2048}"
       for r in $(seq "${AB_ROUNDS:-2}"); do
-        for v in base-qwen-mk qwen-mk $([[ -x $BIN/alt-qwen-mk ]] && echo alt-qwen-mk); do
+        for v in base-qwen-mk qwen-mk $ALTS; do
           for row in "${rows[@]}"; do
             # shellcheck disable=SC2086
             bench "ab$r-$v-${row%%=*}" $v ${row#*=}
@@ -263,9 +268,11 @@ for step in $STEPS; do
       done ;;
     profile)
       IFS=';' read -ra rows <<< "${PROFILE_ROWS:-0.5b=--preset 0.5b;7b=--preset 7b;14b=--preset 14b}"
-      for row in "${rows[@]}"; do
-        # shellcheck disable=SC2086
-        bench "profile-${row%%=*}" qwen-mk ${row#*=} --profile
+      for v in qwen-mk ${PROFILE_ALTS:+$ALTS}; do
+        for row in "${rows[@]}"; do
+          # shellcheck disable=SC2086
+          bench "profile-${row%%=*}$([[ $v == qwen-mk ]] || echo "-$v")" $v ${row#*=} --profile
+        done
       done
       python3 - "$LOG/bench.jsonl" <<'EOF' | tee "$OUT/timeline.txt"
 import json, sys
@@ -277,6 +284,12 @@ for line in open(sys.argv[1]):
           f'skew {t["launch_skew_us"]:.1f}, tail {t["tail_us"]:.1f}, tick <= {t["tick_ns"]} ns')
     for k, v in t["ops"].items():
         print(f'    {k:<12} critical {v["critical_us"]:8.1f}  busy {v["busy_mean_us"]:8.1f}  barriers {v["barrier_us"]:6.1f}')
+    a = t.get("attention_parts")
+    if a:
+        print(f'    split attention, {a["items"]:.0f} items/layer: mean item q {a["q_us"]:.1f} stream {a["stream_us"]:.1f} '
+              f'partial {a["partial_us"]:.1f} combine {a["combine_us"]:.1f}; last item q/stream/partial '
+              f'{"/".join(f"{x:.1f}" for x in a["slowest_us"])}; critical = to last partial {a["to_last_partial_us"]:.1f} '
+              f'+ combine {a["combine_tail_us"]:.1f} + to barrier {a["to_arrival_us"]:.1f} us')
     for k, v in o.get("profile_us", {}).items():
         print(f'    profile {k:<28} {v:8.1f} us')
 EOF
@@ -337,10 +350,12 @@ EOF
       note "hf rc=$? $(( SECONDS - t ))s"; tail -15 "$LOG/hf.log" ;;
     sanitizer)
       # The faults program's sanitizer target (17-token prefill in two
-      # chunks + 3 decode steps, 0.5B) under each tool and driver, 4 at a
-      # time; racecheck on 2 of the 24 layers (every layer runs the same
-      # code; all 24 do not finish in 290 s). Then the OOB hook under
-      # memcheck, which must be caught (exit 99).
+      # chunks + 3 decode steps, 0.5B) under each tool and driver, and its
+      # split-attention target (3 traced steps at 300 positions with the
+      # split forced: partials, tickets, combine) on cudarc, 4 at a time;
+      # racecheck on 2 of the 24 layers (every layer runs the same code; all
+      # 24 do not finish in 290 s). Then the OOB hook under memcheck, which
+      # must be caught (exit 99).
       SAN=/usr/local/cuda/bin/compute-sanitizer
       san() {
         local name=$1 tool=$2 child=$3 test=$4 lim=200 layers="" extra=()
@@ -354,6 +369,7 @@ EOF
       runs=()
       for tool in racecheck memcheck synccheck initcheck; do
         for d in cudarc cust; do runs+=("san-$tool-$d $tool - sanitize_target::$d"); done
+        runs+=("san-split-$tool-cudarc $tool - sanitize_split_target::cudarc")
       done
       runs+=("san-oob-memcheck memcheck sanitize_oob_child::cudarc sanitize_oob_child::cudarc")
       for r in "${runs[@]}"; do

@@ -95,8 +95,9 @@ pub struct BenchArgs {
     /// Also time the kernel with each phase skipped and with barriers only
     /// (where the time goes), and the attention A/B flag variants; then
     /// trace the step's timeline (each CTA's start, barrier arrivals and
-    /// releases) and split it per op: critical path, mean CTA busy time,
-    /// barriers.
+    /// releases, marks inside the split attention) and split it per op:
+    /// critical path, mean CTA busy time, barriers, and the split
+    /// attention's parts where it runs.
     #[arg(long)]
     profile: bool,
     /// Timed steps of each profile variant (median reported).
@@ -583,7 +584,7 @@ fn timeline_json(t: &Timeline) -> serde_json::Value {
             (r.name.to_string(), v)
         })
         .collect();
-    serde_json::json!({
+    let mut v = serde_json::json!({
         "steps": t.steps,
         "total_us": t.total_us,
         "launch_skew_us": t.launch_skew_us,
@@ -591,7 +592,21 @@ fn timeline_json(t: &Timeline) -> serde_json::Value {
         "barrier_us": t.barrier_us(),
         "tick_ns": t.tick_ns,
         "ops": ops,
-    })
+    });
+    if let Some(a) = &t.attention {
+        v["attention_parts"] = serde_json::json!({
+            "items": a.items,
+            "q_us": a.q_us,
+            "stream_us": a.stream_us,
+            "partial_us": a.partial_us,
+            "combine_us": a.combine_us,
+            "slowest_us": a.slowest_us,
+            "to_last_partial_us": a.to_last_partial_us,
+            "combine_tail_us": a.combine_tail_us,
+            "to_arrival_us": a.to_arrival_us,
+        });
+    }
+    v
 }
 
 /// The step timeline as table lines.
@@ -610,6 +625,23 @@ fn timeline_text(t: &Timeline) -> Vec<String> {
         out.push(format!(
             "    {:<14} {:>14.1} {:>16.1} {:>12.1}",
             r.name, r.critical_us, r.busy_mean_us, r.barrier_us
+        ));
+    }
+    if let Some(a) = &t.attention {
+        out.push(format!(
+            "    split attention, {:.0} items per layer: mean item q {:.1}, stream {:.1}, partial {:.1}, combine {:.1} us; \
+             last item q {:.1}, stream {:.1}, partial {:.1}; critical = to last partial {:.1} + combine {:.1} + to barrier {:.1}",
+            a.items,
+            a.q_us,
+            a.stream_us,
+            a.partial_us,
+            a.combine_us,
+            a.slowest_us[0],
+            a.slowest_us[1],
+            a.slowest_us[2],
+            a.to_last_partial_us,
+            a.combine_tail_us,
+            a.to_arrival_us
         ));
     }
     out
@@ -883,6 +915,12 @@ mod tests {
             tail_us: 3.0,
             total_us: 259.0,
             tick_ns: 32,
+            attention: Some(qmk_gpu::AttentionParts {
+                items: 64.0,
+                stream_us: 12.5,
+                combine_tail_us: 4.25,
+                ..Default::default()
+            }),
         };
         let profile = [("full".into(), 250.0)];
         let v = report_json(&a, &r, &launch, &profile, Some(&timeline), &load);
@@ -892,6 +930,9 @@ mod tests {
         let text = timeline_text(&timeline).join("\n");
         assert!(text.contains("barriers 15.0"), "{text}");
         assert!(text.contains("mlp gate/up"), "{text}");
+        assert!(text.contains("64 items per layer"), "{text}");
+        assert!(text.contains("stream 12.5"), "{text}");
+        assert_eq!(v["timeline"]["attention_parts"]["combine_tail_us"], 4.25);
         assert_eq!(v["upload_gbps"], 8.0);
         assert_eq!(v["peak_rss_bytes"], 300u64 << 20);
         assert_eq!(v["upload_buffers"], 3);

@@ -1,5 +1,6 @@
-//! Fault tests on both drivers: a hang, an illegal address, the sanitizer
-//! target and a cubin for another architecture.
+//! Fault tests on both drivers: a hang, a counter that is never signalled,
+//! an illegal address, the sanitizer targets and a cubin for another
+//! architecture.
 //!
 //! A hang or an illegal address must not take the test process down with
 //! it, so each fault runs in a child process: the parent test re-executes
@@ -19,6 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use qmk_gpu::{Driver, Error, GpuBackend, Options};
+use qmk_kernels::params::{FLAG_ATTN_FORCE_SPLIT, FLAG_DEBUG_NO_TICKET};
 use qmk_kernels::{Arch, Compiler, KernelBuild};
 use qmk_model::reference::{Reference, ReferenceOptions};
 use qmk_model::{synthetic_weights, Config, Weights};
@@ -141,6 +143,84 @@ fn hang_is_bounded<D: Driver>() {
     assert_eq!(code, Some(0), "{test}: the child failed (output above)");
     assert!(
         out.contains(&format!("CHILD-OK hang {}", D::NAME)),
+        "{test}: the child did not run its checks (output above)"
+    );
+}
+
+/// Child: a CTA that never signals its counter. At 301 positions with the
+/// split attention forced (2 blocks per kv head), the first item skips its
+/// ticket (FLAG_DEBUG_NO_TICKET): every CTA that combines kv head 0 waits
+/// for a count that never comes. The step must end in the typed counter
+/// timeout within [`HANG_BOUND`], and after a reset the same step gives the
+/// same pick as before.
+fn ticket_child<D: Driver>() {
+    let me = format!("ticket_child::{}", D::NAME);
+    if !is_child(&me) {
+        println!(
+            "{me}: runs only as the child of ticket_wait_is_bounded::{}",
+            D::NAME
+        );
+        return;
+    }
+    let w = weights("0.5b");
+    let opts = Options {
+        capacity: 320,
+        ..Default::default()
+    };
+    let mut b =
+        GpuBackend::<D>::new(&w, opts, &mut ()).unwrap_or_else(|e| panic!("{me}: open: {e}"));
+    println!("{}", describe(&b));
+    let prompt: Vec<u32> = (0..300).map(|i| PROMPT[i % PROMPT.len()]).collect();
+    b.set_kernel_flags(FLAG_ATTN_FORCE_SPLIT, true);
+    let tok = b.prefill(&prompt, 0).unwrap().argmax;
+    let want = b.step(tok, 300).unwrap().argmax;
+
+    b.set_kernel_flags(FLAG_DEBUG_NO_TICKET, true);
+    b.set_spin_timeout(Duration::from_millis(20));
+    let t = Instant::now();
+    let e = b.step(tok, 300).unwrap_err();
+    let el = t.elapsed();
+    println!("CHILD ticket, spin budget 20 ms: error after {el:?}: {e}");
+    assert!(
+        matches!(e, Error::Kernel { .. }),
+        "{me}: expected a kernel error: {e:?}"
+    );
+    let m = e.to_string();
+    assert!(m.contains("counter wait timed out"), "{me}: {m}");
+    assert!(
+        m.contains("attention"),
+        "{me}: the error does not name the phase: {m}"
+    );
+    assert!(el < HANG_BOUND, "{me}: the spin budget fired after {el:?}");
+
+    b.set_kernel_flags(FLAG_DEBUG_NO_TICKET, false);
+    b.set_spin_timeout(Duration::from_secs(2));
+    b.reset().unwrap();
+    let tok2 = b.prefill(&prompt, 0).unwrap().argmax;
+    assert_eq!(
+        tok2, tok,
+        "{me}: the prefill after the reset picked another id"
+    );
+    assert_eq!(
+        b.step(tok, 300).unwrap().argmax,
+        want,
+        "{me}: the step after the reset"
+    );
+    println!(
+        "CHILD-OK ticket {}: a missing ticket is a typed error within {HANG_BOUND:?}; reset recovers",
+        D::NAME
+    );
+}
+
+/// Parent of [`ticket_child`].
+fn ticket_wait_is_bounded<D: Driver>() {
+    let test = format!("ticket_wait_is_bounded {}", D::NAME);
+    let Some((code, out)) = run_child(&test, &format!("ticket_child::{}", D::NAME)) else {
+        return;
+    };
+    assert_eq!(code, Some(0), "{test}: the child failed (output above)");
+    assert!(
+        out.contains(&format!("CHILD-OK ticket {}", D::NAME)),
         "{test}: the child did not run its checks (output above)"
     );
 }
@@ -284,6 +364,47 @@ fn sanitize_target<D: Driver>() {
     println!("{test}: ids equal the CPU reference");
 }
 
+/// Target of the sanitizer runs for the split attention: the KV cache
+/// filled with the bench's synthetic K/V, then 3 greedy steps from position
+/// 300 with the split attention forced and the step timeline on (its marks
+/// inside the attention included): 2 blocks per kv head, so every kv head's
+/// last block combines the partials. The long-context tests check its
+/// results; here the sanitizers check its memory accesses and
+/// synchronisation.
+fn sanitize_split_target<D: Driver>() {
+    let test = format!("sanitize_split_target {}", D::NAME);
+    let Some(_g) = gpu_or_skip(&test) else { return };
+    let w = sanitize_weights(&test);
+    let opts = Options {
+        capacity: 320,
+        spin_timeout: env_secs("QMK_TEST_SPIN_S", Duration::from_secs(2)),
+        step_deadline: env_secs("QMK_TEST_DEADLINE_S", Duration::from_secs(30)),
+        ..Default::default()
+    };
+    let mut b =
+        GpuBackend::<D>::new(&w, opts, &mut ()).unwrap_or_else(|e| panic!("{test}: open: {e}"));
+    b.set_kernel_flags(FLAG_ATTN_FORCE_SPLIT, true);
+    let t = Instant::now();
+    let tl = b
+        .bench_timeline(&qmk_gpu::BenchOptions {
+            warmup: 1,
+            steps: 2,
+            context: 300,
+            ..Default::default()
+        })
+        .unwrap_or_else(|e| panic!("{test}: {e}"));
+    let a = tl
+        .attention
+        .unwrap_or_else(|| panic!("{test}: no split-attention marks"));
+    println!(
+        "{test}: 3 steps from position 300 in {:.2} s, {} items per layer, combine {:.1} us",
+        t.elapsed().as_secs_f64(),
+        a.items,
+        a.combine_us
+    );
+    assert_eq!(a.items, 4.0, "{test}: items per layer");
+}
+
 /// 0.5B weights, or with `QMK_SAN_LAYERS=n` 0.5B cut to its first n layers
 /// (every layer runs the same code at the same shapes: the fallback when a
 /// sanitizer is too slow for all 24).
@@ -381,8 +502,11 @@ fn wrong_arch_cubin<D: Driver>() {
 
 both!(hang_is_bounded, hang_is_bounded);
 both!(hang_child, hang_child);
+both!(ticket_wait_is_bounded, ticket_wait_is_bounded);
+both!(ticket_child, ticket_child);
 both!(oob_is_sticky, oob_is_sticky);
 both!(oob_child, oob_child);
 both!(sanitize_target, sanitize_target);
+both!(sanitize_split_target, sanitize_split_target);
 both!(sanitize_oob_child, sanitize_oob_child);
 both!(wrong_arch_cubin, wrong_arch_cubin);

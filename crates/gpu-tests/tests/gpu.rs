@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use qmk_engine::Backend;
 use qmk_gpu::{Driver, Error, GpuBackend, Options};
+use qmk_kernels::params::FLAG_ATTN_FORCE_SPLIT;
 use qmk_model::reference::{Reference, ReferenceOptions};
 use qmk_model::{Config, Weights};
 
@@ -352,7 +353,8 @@ both!(
 /// CTA's stamps in order; no CTA leaves a barrier before the last arrival,
 /// up to 2 us of timer skew between multiprocessors), and the bench's
 /// timeline splits the step: ops, barriers, launch skew and tail add up to
-/// it.
+/// it. With the split attention forced at 300 positions, its marks split the
+/// attention's critical path.
 fn step_timeline<D: Driver>() {
     let test = format!("{} step timeline", D::NAME);
     let Some(_g) = gpu_or_skip(&test) else { return };
@@ -413,6 +415,39 @@ fn step_timeline<D: Driver>() {
         (parts - t.total_us).abs() <= 0.05 * t.total_us,
         "{test}: parts {parts:.1} us vs step {:.1} us",
         t.total_us
+    );
+    assert!(
+        t.attention.is_none(),
+        "{test}: attention marks at 12 positions, where the split attention does not run"
+    );
+
+    // The split attention's marks: at 300 positions with the split forced,
+    // 2 blocks per kv head (0.5B: 2 kv heads), so 4 items per layer, and
+    // the last of each kv head's items combines.
+    let mut b: GpuBackend<D> = open(&w, with_capacity(320));
+    b.set_kernel_flags(FLAG_ATTN_FORCE_SPLIT, true);
+    let t = b
+        .bench_timeline(&qmk_gpu::BenchOptions {
+            warmup: 2,
+            steps: 8,
+            context: 300,
+            ..Default::default()
+        })
+        .unwrap();
+    let a = t
+        .attention
+        .unwrap_or_else(|| panic!("{test}: no attention marks with the split forced"));
+    let crit = t.rows[1].critical_us;
+    println!("{test}: split attention at 300 positions: {a:?}; attention critical {crit:.1} us");
+    assert_eq!(a.items, 4.0, "{test}: items per layer");
+    assert!(
+        a.stream_us > 0.0 && a.combine_us > 0.0 && a.combine_tail_us > 0.0,
+        "{test}: {a:?}"
+    );
+    let sum = a.to_last_partial_us + a.combine_tail_us + a.to_arrival_us;
+    assert!(
+        (sum - crit).abs() <= 0.05 * crit,
+        "{test}: the attention's parts {sum:.1} us vs its critical path {crit:.1} us"
     );
 }
 

@@ -244,7 +244,9 @@ impl<D: Driver> GpuBackend<D> {
         r.map_err(|c| self.fail("cuMemcpyDtoH (trace)", c))?;
         let barriers = u32::try_from(barriers_per_step(&self.config))
             .map_err(|_| Error::Overflow("the barriers per step".into()))?;
-        StepTrace::from_raw(grid, barriers, raw)
+        let layers = u32::try_from(self.config.num_hidden_layers)
+            .map_err(|_| Error::Overflow("the layers".into()))?;
+        StepTrace::from_raw(grid, barriers, layers, raw)
     }
 
     /// One decode step with the timeline on ([`FLAG_TRACE`]): the same pick,

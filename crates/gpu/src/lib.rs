@@ -52,7 +52,7 @@ pub use plan::{largest_context, LaunchInfo, MemoryPlan, FIT_RESERVE_BYTES, MAX_K
 pub use probe::{ProbeReport, ProbeRun};
 pub use staging::{PlannedChunk, WeightSource};
 pub use stats::{BenchOptions, BenchReport, LaunchOverhead, PrefillReport};
-pub use trace::{StepTrace, Timeline, TimelineRow};
+pub use trace::{AttentionParts, StepTrace, Timeline, TimelineRow};
 pub use upload::{UploadOptions, UploadStats};
 
 /// The public API of a driver crate, written once: re-exports of the
@@ -62,9 +62,9 @@ pub use upload::{UploadOptions, UploadStats};
 macro_rules! driver_api {
     ($driver:ident, $backend:ident, $binding:literal) => {
         pub use $crate::{
-            BenchOptions, BenchReport, CudaCode, DeviceInfo, Error, LaunchInfo, LaunchOverhead,
-            MemoryPlan, Options, PrefillReport, ProbeReport, ProbeRun, Progress, Result, StepTrace,
-            Timeline, TimelineRow, UploadOptions, UploadStats,
+            AttentionParts, BenchOptions, BenchReport, CudaCode, DeviceInfo, Error, LaunchInfo,
+            LaunchOverhead, MemoryPlan, Options, PrefillReport, ProbeReport, ProbeRun, Progress,
+            Result, StepTrace, Timeline, TimelineRow, UploadOptions, UploadStats,
         };
 
         #[doc = concat!("The megakernel engine on one GPU through ", $binding, ".")]

@@ -5,7 +5,7 @@
 use std::mem::size_of;
 use std::time::Duration;
 
-use qmk_kernels::params::{ATTN_MAX_SPLITS, THREADS_PER_CTA};
+use qmk_kernels::params::{ATTN_MARKS, ATTN_MAX_SPLITS, THREADS_PER_CTA};
 use qmk_kernels::{KernelParams, PrefillParams, SyncState};
 use qmk_model::Config;
 
@@ -281,13 +281,20 @@ pub fn barriers_per_step(config: &Config) -> u64 {
 }
 
 /// Bytes of the step timeline (`KernelParams::trace`): u64 `[grid, B + 1,
-/// 2]`, B = [`barriers_per_step`].
+/// 2]`, B = [`barriers_per_step`], then the split attention's marks, u64
+/// `[grid, L, ATTN_MARKS]`.
 pub fn trace_bytes(config: &Config, grid: u32) -> Result<u64> {
     let what = "the step timeline";
     let slots = barriers_per_step(config)
         .checked_add(1)
         .ok_or_else(|| overflow(what))?;
-    mul(mul(u64::from(grid), slots, what)?, 16, what)
+    let barriers = mul(mul(u64::from(grid), slots, what)?, 16, what)?;
+    let marks = mul(
+        mul(u64::from(grid), config.num_hidden_layers as u64, what)?,
+        u64::from(ATTN_MARKS) * 8,
+        what,
+    )?;
+    barriers.checked_add(marks).ok_or_else(|| overflow(what))
 }
 
 /// Bytes of the split-attention scratch (`KernelParams::attn_part`):
@@ -586,12 +593,14 @@ mod tests {
 
     #[test]
     fn trace_timeline() {
-        // 7B: 28 layers, 141 barriers; 132 CTAs x 142 slots x 2 u64.
+        // 7B: 28 layers, 141 barriers; 132 CTAs x 142 slots x 2 u64, then
+        // 132 CTAs x 28 layers x 4 attention marks.
         let c7 = Config::preset("7b").unwrap();
         assert_eq!(barriers_per_step(&c7), 141);
-        assert_eq!(trace_bytes(&c7, 132).unwrap(), 132 * 142 * 16);
+        let want = 132 * 142 * 16 + 132 * 28 * 4 * 8;
+        assert_eq!(trace_bytes(&c7, 132).unwrap(), want);
         let plan = MemoryPlan::new(&c7, 4096, 132, None).unwrap();
-        assert!(plan.buffers.contains(&(Buffer::Trace, 132 * 142 * 16)));
+        assert!(plan.buffers.contains(&(Buffer::Trace, want)));
         let mut p: KernelParams = bytemuck::Zeroable::zeroed();
         set_buffer(&mut p, Buffer::Trace, 0x7700);
         assert_eq!(p.trace, 0x7700);

@@ -13,21 +13,59 @@
 //! the last barrier (the argmax on CTA 0) add up to the step, first start to
 //! end. The mean time a CTA spends inside the op (`arrival - its own
 //! release`) against the op's critical path shows the load imbalance.
+//!
+//! Inside the split attention, thread 0 of each CTA with an item also marks
+//! when q is staged, when the item's K/V stream is done and when its partial
+//! is out (its ticket released), and every CTA when its share of the
+//! combine is done ([`AttentionParts`]).
 
 use crate::error::{Error, Result};
+use qmk_kernels::params::ATTN_MARKS;
 
 /// Names of the five ops a layer's barriers close, in order.
 const LAYER_OPS: [&str; 5] = ["qkv_proj", "attention", "o_proj", "mlp gate/up", "mlp down"];
 
 /// One decode step's stamps, `%globaltimer` nanoseconds: `[grid, B + 1, 2]`
 /// u64 with B grid barriers: slot 0 is (start, end; end on CTA 0 only),
-/// slot k (arrival, release) of barrier k.
+/// slot k (arrival, release) of barrier k; then the split attention's
+/// marks, `[grid, L, ATTN_MARKS]` u64 (0: no item in that layer).
 #[derive(Debug, Clone, PartialEq)]
 pub struct StepTrace {
     grid: u32,
     barriers: u32,
+    layers: u32,
     // [grid, barriers + 1, 2] ns
     raw: Vec<u64>,
+    // [grid, layers, ATTN_MARKS] ns
+    marks: Vec<u64>,
+}
+
+/// Where the split attention's time goes, per step (summed over the
+/// layers), from the marks inside it. "Mean" figures average over the CTAs
+/// with an item; the critical path (the attention op's) splits into the
+/// time to the last partial, from there to the last CTA's end of its
+/// combine share, and the rest to the last arrival at the barrier.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct AttentionParts {
+    /// Items (CTAs with marks) per layer, the mean over the layers.
+    pub items: f64,
+    /// Mean item: previous barrier's release to q staged, us.
+    pub q_us: f64,
+    /// Mean item: q staged to its K/V stream done (every warp), us.
+    pub stream_us: f64,
+    /// Mean item: stream done to partial out and ticket taken, us.
+    pub partial_us: f64,
+    /// Mean item: partial out to the end of its CTA's combine share (the
+    /// wait for the kv heads' last partials included), us.
+    pub combine_us: f64,
+    /// The item whose partial came last: its q, stream and partial, us.
+    pub slowest_us: [f64; 3],
+    /// Last release of the previous barrier to the last partial, us.
+    pub to_last_partial_us: f64,
+    /// Last partial to the last CTA's end of its combine share, us.
+    pub combine_tail_us: f64,
+    /// From there to the last arrival at the barrier, us.
+    pub to_arrival_us: f64,
 }
 
 /// Time of one barrier's op and of the barrier itself in one step.
@@ -46,25 +84,40 @@ pub struct OpSpan {
 }
 
 impl StepTrace {
-    /// Wraps the buffer the kernel wrote; its length must be
-    /// `grid * (barriers + 1) * 2`.
-    pub fn from_raw(grid: u32, barriers: u32, raw: Vec<u64>) -> Result<Self> {
-        let want = (grid as usize)
+    /// Wraps the buffer the kernel wrote for `layers` layers and `barriers`
+    /// grid barriers; its length must be `grid * (barriers + 1) * 2 + grid
+    /// * layers * ATTN_MARKS`.
+    pub fn from_raw(grid: u32, barriers: u32, layers: u32, mut raw: Vec<u64>) -> Result<Self> {
+        let slots = (grid as usize)
             .checked_mul(barriers as usize + 1)
             .and_then(|n| n.checked_mul(2));
-        if grid == 0 || barriers == 0 || want != Some(raw.len()) {
+        let marks = (grid as usize)
+            .checked_mul(layers as usize)
+            .and_then(|n| n.checked_mul(ATTN_MARKS as usize));
+        let want = slots.zip(marks).and_then(|(a, b)| a.checked_add(b));
+        let (Some(slots), true) = (slots, want == Some(raw.len())) else {
             return Err(Error::Option {
                 field: "trace",
                 reason: format!(
-                    "{} stamps do not fit a grid of {grid} CTAs with {barriers} barriers",
+                    "{} stamps do not fit a grid of {grid} CTAs with {barriers} barriers and \
+                     {layers} layers",
                     raw.len()
                 ),
             });
+        };
+        if grid == 0 || barriers == 0 {
+            return Err(Error::Option {
+                field: "trace",
+                reason: format!("a grid of {grid} CTAs with {barriers} barriers"),
+            });
         }
+        let marks = raw.split_off(slots);
         Ok(Self {
             grid,
             barriers,
+            layers,
             raw,
+            marks,
         })
     }
 
@@ -100,6 +153,95 @@ impl StepTrace {
     /// When CTA 0 finished the step (after the argmax).
     pub fn end(&self) -> u64 {
         self.at(0, 0, 1)
+    }
+
+    /// The split attention's marks of CTA `cta` in `layer`: q staged, stream
+    /// done, partial out, its combine share done (0: not reached).
+    pub fn attention_marks(&self, cta: u32, layer: u32) -> [u64; 4] {
+        let i = (cta as usize * self.layers as usize + layer as usize) * ATTN_MARKS as usize;
+        [
+            self.marks[i],
+            self.marks[i + 1],
+            self.marks[i + 2],
+            self.marks[i + 3],
+        ]
+    }
+
+    /// The split attention's time, summed over the layers ([`AttentionParts`]);
+    /// `None` when no layer has marks (the one-CTA-per-head path ran).
+    pub fn attention_parts(&self) -> Option<AttentionParts> {
+        let us = |ns: u64| ns as f64 / 1e3;
+        let mut a = AttentionParts::default();
+        let mut layers = 0u32;
+        for layer in 0..self.layers {
+            // The attention op ends at barrier 5 layer + 2; it starts at the
+            // releases of barrier 5 layer + 1.
+            let k = 5 * layer + 2;
+            if k > self.barriers {
+                break;
+            }
+            let items: Vec<(u32, [u64; 4])> = (0..self.grid)
+                .map(|c| (c, self.attention_marks(c, layer)))
+                .filter(|(_, m)| m[0] != 0 && m[1] != 0 && m[2] != 0)
+                .collect();
+            if items.is_empty() {
+                continue;
+            }
+            layers += 1;
+            let n = items.len() as f64;
+            let rel = |c: u32| self.release(c, k - 1);
+            a.items += n;
+            a.q_us += items
+                .iter()
+                .map(|&(c, m)| us(m[0].saturating_sub(rel(c))))
+                .sum::<f64>()
+                / n;
+            a.stream_us += items
+                .iter()
+                .map(|(_, m)| us(m[1].saturating_sub(m[0])))
+                .sum::<f64>()
+                / n;
+            a.partial_us += items
+                .iter()
+                .map(|(_, m)| us(m[2].saturating_sub(m[1])))
+                .sum::<f64>()
+                / n;
+            let combines: Vec<f64> = items
+                .iter()
+                .filter(|(_, m)| m[3] != 0)
+                .map(|(_, m)| us(m[3].saturating_sub(m[2])))
+                .collect();
+            if !combines.is_empty() {
+                a.combine_us += combines.iter().sum::<f64>() / combines.len() as f64;
+            }
+            let &(slow, sm) = items
+                .iter()
+                .max_by_key(|(_, m)| m[2])
+                .expect("items is not empty");
+            a.slowest_us[0] += us(sm[0].saturating_sub(rel(slow)));
+            a.slowest_us[1] += us(sm[1].saturating_sub(sm[0]));
+            a.slowest_us[2] += us(sm[2].saturating_sub(sm[1]));
+            let r_prev = (0..self.grid).map(rel).max().unwrap_or(0);
+            let last_partial = sm[2];
+            // Every CTA marks the end of its share of the combine.
+            let last_done = (0..self.grid)
+                .map(|c| self.attention_marks(c, layer)[3])
+                .max()
+                .unwrap_or(0)
+                .max(last_partial);
+            let l_k = (0..self.grid)
+                .map(|c| self.arrival(c, k))
+                .max()
+                .unwrap_or(0);
+            a.to_last_partial_us += us(last_partial.saturating_sub(r_prev));
+            a.combine_tail_us += us(last_done.saturating_sub(last_partial));
+            a.to_arrival_us += us(l_k.saturating_sub(last_done));
+        }
+        if layers == 0 {
+            return None;
+        }
+        a.items /= f64::from(layers);
+        Some(a)
     }
 
     /// Checks what any step must satisfy, up to `slack_ns` of timer skew
@@ -246,6 +388,9 @@ pub struct Timeline {
     /// The smallest step between two stamps seen, ns (the timer's
     /// resolution or finer).
     pub tick_ns: u64,
+    /// The split attention's parts (each figure the median over the traced
+    /// steps), when it ran.
+    pub attention: Option<AttentionParts>,
 }
 
 impl Timeline {
@@ -300,6 +445,7 @@ impl Timeline {
             tail_us: med(&|s| traces[s].tail_ns() as f64 / 1e3),
             total_us: med(&|s| traces[s].total_ns() as f64 / 1e3),
             tick_ns: traces.iter().map(StepTrace::tick_ns).min().unwrap_or(0),
+            attention: median_parts(traces),
         })
     }
 
@@ -307,6 +453,37 @@ impl Timeline {
     pub fn barrier_us(&self) -> f64 {
         self.rows.iter().map(|r| r.barrier_us).sum()
     }
+}
+
+/// Each field of the steps' [`AttentionParts`], the median over the steps
+/// that have them.
+fn median_parts(traces: &[StepTrace]) -> Option<AttentionParts> {
+    let parts: Vec<AttentionParts> = traces
+        .iter()
+        .filter_map(StepTrace::attention_parts)
+        .collect();
+    if parts.is_empty() {
+        return None;
+    }
+    let med = |f: &dyn Fn(&AttentionParts) -> f64| {
+        let mut v: Vec<f64> = parts.iter().map(f).collect();
+        crate::stats::median(&mut v)
+    };
+    Some(AttentionParts {
+        items: med(&|p| p.items),
+        q_us: med(&|p| p.q_us),
+        stream_us: med(&|p| p.stream_us),
+        partial_us: med(&|p| p.partial_us),
+        combine_us: med(&|p| p.combine_us),
+        slowest_us: [
+            med(&|p| p.slowest_us[0]),
+            med(&|p| p.slowest_us[1]),
+            med(&|p| p.slowest_us[2]),
+        ],
+        to_last_partial_us: med(&|p| p.to_last_partial_us),
+        combine_tail_us: med(&|p| p.combine_tail_us),
+        to_arrival_us: med(&|p| p.to_arrival_us),
+    })
 }
 
 #[cfg(test)]
@@ -334,7 +511,9 @@ mod tests {
             }
         }
         raw[idx(0, 0, 1)] = t[0] + 7;
-        StepTrace::from_raw(grid, b, raw).unwrap()
+        // One layer's attention marks per CTA, none set.
+        raw.extend(std::iter::repeat_n(0, (grid * ATTN_MARKS) as usize));
+        StepTrace::from_raw(grid, b, 1, raw).unwrap()
     }
 
     #[test]
@@ -385,9 +564,47 @@ mod tests {
 
     #[test]
     fn from_raw_refuses_a_wrong_length() {
-        assert!(StepTrace::from_raw(2, 6, vec![0; 28]).is_ok());
-        assert!(StepTrace::from_raw(2, 6, vec![0; 27]).is_err());
-        assert!(StepTrace::from_raw(0, 6, vec![]).is_err());
+        // 2 CTAs: 7 slots of 2 stamps, then 1 layer of 4 marks each.
+        assert!(StepTrace::from_raw(2, 6, 1, vec![0; 36]).is_ok());
+        assert!(StepTrace::from_raw(2, 6, 1, vec![0; 35]).is_err());
+        assert!(StepTrace::from_raw(2, 6, 1, vec![0; 28]).is_err());
+        assert!(StepTrace::from_raw(0, 6, 1, vec![]).is_err());
+        assert!(StepTrace::from_raw(2, 0, 0, vec![0; 4]).is_err());
         assert!(Timeline::from_traces(&[]).is_err());
+    }
+
+    #[test]
+    fn attention_parts_split_the_attention_op() {
+        // Every CTA leaves the qkv barrier (k = 1) at r and arrives at the
+        // attention barrier (k = 2) at r + 5,000: work(2, c) = 5,000.
+        let mut t = synthetic(3, |k, _| if k == 2 { 5000 } else { 100 }, 50);
+        assert!(t.attention_parts().is_none());
+        let r = t.release(0, 1);
+        assert_eq!(r, t.release(2, 1));
+        let mark = |t: &mut StepTrace, c: usize, m: [u64; 4]| {
+            t.marks[c * 4..c * 4 + 4].copy_from_slice(&m);
+        };
+        // CTA 0: q at +500, stream to +2,500, partial at +3,000, combine
+        // share to +4,400. CTA 1: q at +700, stream to +3,700, partial at
+        // +4,000 (the last), combine share to +4,600. CTA 2: no item, its
+        // combine share done at +4,800 (the last).
+        mark(&mut t, 0, [r + 500, r + 2500, r + 3000, r + 4400]);
+        mark(&mut t, 1, [r + 700, r + 3700, r + 4000, r + 4600]);
+        mark(&mut t, 2, [0, 0, 0, r + 4800]);
+        let a = t.attention_parts().unwrap();
+        assert_eq!(a.items, 2.0);
+        assert!((a.q_us - 0.6).abs() < 1e-9, "{a:?}");
+        assert!((a.stream_us - 2.5).abs() < 1e-9, "{a:?}");
+        assert!((a.partial_us - 0.4).abs() < 1e-9, "{a:?}");
+        assert!((a.combine_us - 1.0).abs() < 1e-9, "{a:?}");
+        assert_eq!(a.slowest_us, [0.7, 3.0, 0.3]);
+        assert!((a.to_last_partial_us - 4.0).abs() < 1e-9, "{a:?}");
+        assert!((a.combine_tail_us - 0.8).abs() < 1e-9, "{a:?}");
+        assert!((a.to_arrival_us - 0.2).abs() < 1e-9, "{a:?}");
+        // The three parts of the critical path are the attention op's.
+        let crit = t.spans()[1].critical_ns as f64 / 1e3;
+        assert!((a.to_last_partial_us + a.combine_tail_us + a.to_arrival_us - crit).abs() < 1e-9);
+        let tl = Timeline::from_traces(&[t.clone(), t]).unwrap();
+        assert_eq!(tl.attention, Some(a));
     }
 }

@@ -38,6 +38,41 @@ __device__ __forceinline__ u64* trace_slot(const Params& p, u32 k) {
     return reinterpret_cast<u64*>(p.trace) + ((u64)blockIdx.x * (QMK_BARRIERS_PER_STEP + 1u) + k) * 2u;
 }
 
+// This CTA's split-attention marks of `layer` (kAttnMarks u64 after the
+// barrier slots of every CTA).
+__device__ __forceinline__ u64* attn_marks(const Params& p, u32 layer) {
+    return reinterpret_cast<u64*>(p.trace) + (u64)gridDim.x * (QMK_BARRIERS_PER_STEP + 1u) * 2u +
+           ((u64)blockIdx.x * QMK_LAYERS + layer) * kAttnMarks;
+}
+
+// One thread waits until `ready()` holds, bounded as every spin-wait is:
+// gives up (false) when Params::spin_timeout_ns passes (recording `timeout`
+// at `phase`, `layer`), when the host raises abort, or when another CTA has
+// claimed an error.
+template <typename Ready>
+__device__ __forceinline__ bool bounded_wait(const Params& p, Ready ready, u32 timeout, u32 phase, u32 layer) {
+    const SyncState* s = reinterpret_cast<const SyncState*>(p.sync);
+    const volatile HostStatus* st = reinterpret_cast<const volatile HostStatus*>(p.status);
+    u32 it = 0;
+    u64 t0 = 0;
+    while (!ready()) {
+        if ((++it & 127u) == 0u) {
+            const u64 now = globaltimer_ns();
+            if (t0 == 0) t0 = now;
+            if (st->abort != 0u) {
+                record_error(p, kErrAborted, phase, layer);
+                return false;
+            }
+            if (*reinterpret_cast<const volatile u32*>(&s->error_claim) != 0u) return false;
+            if (now - t0 > p.spin_timeout_ns) {
+                record_error(p, timeout, phase, layer);
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
 template <bool kTraced>
 struct GridBarrierT {
     u64 base;  // arrivals before this launch (thread 0 only)
@@ -52,6 +87,8 @@ struct GridBarrierT {
                 u64* t = trace_slot(p, 0);
                 t[0] = globaltimer_ns();
                 t[1] = 0;
+                u64* a = attn_marks(p, 0);  // this CTA's [L, kAttnMarks]
+                for (u32 i = 0; i < QMK_LAYERS * kAttnMarks; ++i) a[i] = 0;
             }
         }
     }
@@ -64,37 +101,15 @@ struct GridBarrierT {
         count += 1;
         if (threadIdx.x == 0) {
             SyncState* s = reinterpret_cast<SyncState*>(p.sync);
-            const volatile HostStatus* st = reinterpret_cast<const volatile HostStatus*>(p.status);
             const u64 target = base + (u64)count * (u64)gridDim.x;
-            int ok = 1;
             const bool hang = (p.flags & kFlagDebugHang) && count == 1 && blockIdx.x + 1 == gridDim.x;
             const bool trace = kTraced && (p.flags & kFlagTrace) && count <= QMK_BARRIERS_PER_STEP;
             if (trace) trace_slot(p, count)[0] = globaltimer_ns();
             // Release at gpu scope orders this CTA's writes (made visible to
             // thread 0 by bar.sync) before the arrival.
             if (!hang) red_release_add_u64(&s->arrived, 1ull);
-            u32 it = 0;
-            u64 t0 = 0;
-            while (ld_acquire_u64(&s->arrived) < target) {
-                if ((++it & 127u) == 0u) {
-                    const u64 now = globaltimer_ns();
-                    if (t0 == 0) t0 = now;
-                    if (st->abort != 0u) {
-                        record_error(p, kErrAborted, phase, layer);
-                        ok = 0;
-                        break;
-                    }
-                    if (*reinterpret_cast<volatile u32*>(&s->error_claim) != 0u) {
-                        ok = 0;
-                        break;
-                    }
-                    if (now - t0 > p.spin_timeout_ns) {
-                        record_error(p, kErrBarrierTimeout, phase, layer);
-                        ok = 0;
-                        break;
-                    }
-                }
-            }
+            const int ok = bounded_wait(
+                p, [&] { return ld_acquire_u64(&s->arrived) >= target; }, kErrBarrierTimeout, phase, layer);
             if (trace) trace_slot(p, count)[1] = globaltimer_ns();
             s_ok = ok;
         }

@@ -58,7 +58,8 @@ struct Params {
     u64 trace;            // [grid, B + 1, 2] u64 step timeline (kFlagTrace),
                           // B = grid barriers per step: slot 0 = (start, end),
                           // slot k = (arrival, release) of barrier k, in
-                          // %globaltimer nanoseconds
+                          // %globaltimer nanoseconds; then [grid, L, 4] u64
+                          // split-attention marks (attn_marks)
 };
 
 // Most sequence blocks per kv head of the split attention (sizes its
@@ -66,11 +67,14 @@ struct Params {
 constexpr u32 kAttnMaxSplits = 64u;
 // Cached positions (pos + 1) from which the split attention is the default.
 constexpr u32 kAttnSplitMinContext = 512u;
+// Timeline marks per layer inside the split attention (kFlagTrace): q
+// staged, stream done, partial out (ticket released), this CTA's combine
+// share done; 0 where the CTA did not get there (no item).
+constexpr u32 kAttnMarks = 4u;
 
 // Flag bits of Params::flags. Only what the product or its tests use; each
 // test hook or oracle leaves the default path's code and results unchanged
-// when its bit is clear. Bits in use: 0-3, 5, 6, 8-13 (the skip mask), 18,
-// 19.
+// when its bit is clear. Bits in use: 0-6, 8-13 (the skip mask), 18, 19.
 //
 // Product: read the token from argmax_out (the previous step's pick)
 // instead of Params::token: back-to-back greedy decoding with no host
@@ -81,12 +85,17 @@ constexpr u32 kFlagTokenFromArgmax = 1u;
 constexpr u32 kFlagDebugHang = 2u;
 // Profiling (bench --profile): thread 0 of every CTA writes the step's
 // timeline to Params::trace: its start, each barrier's arrival and release,
-// and (CTA 0) the end. Results are unchanged; a few clock reads per barrier.
+// (CTA 0) the end, and marks inside the split attention. Results are
+// unchanged; a few clock reads per barrier and attention item.
 constexpr u32 kFlagTrace = 4u;
 // Fault test: thread 0 of CTA 0 reads one word past the logits buffer
 // (memcheck with --padding reports it), then far out of bounds (a weight
 // chunk + 2^40: CUDA_ERROR_ILLEGAL_ADDRESS, sticky).
 constexpr u32 kFlagDebugOob = 8u;
+// Fault test: the split attention's first item (kv head 0, block 0) never
+// releases its ticket: every CTA waiting for kv head 0 must give up with
+// kErrCounterTimeout.
+constexpr u32 kFlagDebugNoTicket = 16u;
 // Oracle: the one-CTA-per-head attention at every context length. By
 // default the split (flash-decoding) attention runs from
 // kAttnSplitMinContext cached positions on and this path below it; the
@@ -132,7 +141,7 @@ struct HostStatus {
 };
 
 constexpr u32 kErrNone = 0, kErrBarrierTimeout = 1, kErrAborted = 2, kErrBadToken = 3,
-              kErrBadPos = 4;
+              kErrBadPos = 4, kErrCounterTimeout = 5;
 constexpr u32 kPhaseStart = 0, kPhaseQkv = 1, kPhaseAttention = 2, kPhaseOProj = 3,
               kPhaseGateUp = 4, kPhaseDown = 5, kPhaseLmHead = 6, kPhaseArgmax = 7;
 // Phases of the prefill kernel (qmk_prefill_chunk). kPhasePfRope is the

@@ -12,10 +12,10 @@
 // tile, K/V streamed ahead through a per-lane cp.async ring (details at the
 // function).
 // S == 1: the item writes attn. S > 1: it writes its partial (m, l, acc[D])
-// per head to p.attn_part; the last of the S items of g to finish (a ticket
-// counter per (layer, g), zeroed by CTA 0 at kernel start) combines the S
-// partials in a fixed order: bit-identical run to run whichever CTA
-// combines.
+// per head to p.attn_part and adds 1 to g's ticket (a counter per (layer,
+// g), zeroed by CTA 0 at kernel start); then every CTA combines its share
+// of attn's dims once the tickets of their kv heads reach S, in a fixed
+// order: bit-identical run to run whichever CTA combines what.
 //
 // attention (below kAttnSplitMinContext, where it is faster: the split's
 // tickets and combine cost more than its parallelism gains;
@@ -219,11 +219,17 @@ __device__ __forceinline__ void attn_merge_step(float& M, float& den, float4& nu
 // ahead into its own ring in shared memory with cp.async, across tiles, and
 // reads back only what it copied (cp.async.wait_group is the whole
 // synchronisation). S == 1: the item writes attn; S > 1: its partial (m, l,
-// acc) per head to p.attn_part, and the last of g's items (ticket) combines
-// the S partials with the same online merge in a fixed grouping and order,
-// so the result is bit-identical whichever CTA combines. The copies go
+// acc) per head to p.attn_part and a release add to g's ticket; then every
+// CTA waits (bounded) for the tickets it needs and combines its share of
+// the partials with the same online merge in a fixed grouping and order,
+// so the result is bit-identical whichever CTA combines. No CTA waits for
+// the last item alone: the combine is spread over the grid. The copies go
 // through L2 (cp.async.cg): this step's K/V row was written in this launch.
-__device__ __forceinline__ void attention_split(const Params& p, u32 layer, u32 pos, float* smem) {
+// With kFlagTrace, thread 0 marks when q is staged, the stream is done and
+// the partial is out, and every CTA when its combine share is done
+// (attn_marks; `bench --profile`). Returns false when a wait gave up (the
+// error is recorded; the caller leaves the kernel).
+__device__ __forceinline__ bool attention_split(const Params& p, u32 layer, u32 pos, float* smem) {
     constexpr int D = (int)QMK_HEAD_DIM;
     constexpr int G = (int)kAttnGroup;
     constexpr int TILE = (int)kAttnTile;
@@ -252,7 +258,6 @@ __device__ __forceinline__ void attention_split(const Params& p, u32 layer, u32 
     float* wm = qs + G * D;                  // [WARPS, G] (merge, after the stream)
     float* wl = wm + QMK_WARPS * G;          // [WARPS, G]
     float* wacc = wl + QMK_WARPS * G;        // [WARPS, G, D]
-    __shared__ int s_last;
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 gr = lane >> 2, gc = lane & 3u;  // fragment row group, column pair
     const float qscale = 1.4426950408889634f / sqrtf((float)D);
@@ -299,6 +304,8 @@ __device__ __forceinline__ void attention_split(const Params& p, u32 layer, u32 
         for (u32 i = threadIdx.x; i < (u32)(G * D); i += QMK_THREADS)
             qs[i] = __ldcg(q + g * G * D + i) * qscale;
         __syncthreads();
+        const bool marks = (p.flags & kFlagTrace) && threadIdx.x == 0;
+        if (marks) attn_marks(p, layer)[0] = globaltimer_ns();
         // q^T's B fragments, hi and lo: head gr (zero past G), k-step ks =
         // dims 32 (ks / 2) + 8 gc + 4 (ks % 2) .. + 3.
         u32 qh[KSTEP][2], ql[KSTEP][2];
@@ -418,6 +425,7 @@ __device__ __forceinline__ void attention_split(const Params& p, u32 layer, u32 
             l[e] += __shfl_xor_sync(QMK_FULL_MASK, l[e], 16);
         }
         __syncthreads();
+        if (marks) attn_marks(p, layer)[1] = globaltimer_ns();
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const u32 h = 2u * gc + (u32)e;
@@ -453,58 +461,87 @@ __device__ __forceinline__ void attention_split(const Params& p, u32 layer, u32 
         }
         if (S == 1u) {
             __syncthreads();  // qs / wacc are rewritten by the next item
+            if (marks) attn_marks(p, layer)[2] = globaltimer_ns();
             continue;
         }
-        // The last of g's S items combines (classic threadfence reduction:
-        // writers fence, one ticket per item, the last one fences again).
-        __threadfence();
+        // The partial is out: one release add to g's ticket (bar.sync makes
+        // every thread's partial writes visible to thread 0 first).
         __syncthreads();
         if (threadIdx.x == 0) {
-            const u32 old = atomicAdd(&tickets[layer * QMK_KV_HEADS + g], 1u);
-            s_last = old == S - 1u;
+            if (!((p.flags & kFlagDebugNoTicket) && item == 0u)) red_release_add_u32(&tickets[layer * QMK_KV_HEADS + g], 1u);
+            if (marks) attn_marks(p, layer)[2] = globaltimer_ns();
+        }
+    }
+    if (S == 1u) return true;
+    // The combine, shared by every CTA: unit u = (head u / (D / 4), dims
+    // 4 (u % (D / 4)) .. + 3), CTA c takes units [c U / grid, (c + 1) U /
+    // grid) and its warp w every WARPS-th of them from w. Thread 0 first
+    // waits (bounded) until the tickets of the units' kv heads reach S. Per
+    // unit, the warp stages the S partials in shared memory, lane sg < SG
+    // merges blocks sg, sg + SG, ... in order and lane 0 merges the SG
+    // results in order: the same grouping and order for every unit whichever
+    // CTA takes it, so the bits do not depend on the grid's timing.
+    constexpr u32 NQ = (u32)(G * D / 4);  // units per kv head
+    constexpr u32 SG0 = QMK_THREADS / NQ, SG = SG0 < 1u ? 1u : (SG0 > 8u ? 8u : SG0);
+    constexpr u32 U = QMK_HEADS * (u32)(D / 4);
+    static_assert(SG <= 32u && kAttnMaxSplits <= 64u, "split attention: a warp stages 64 blocks");
+    static_assert(G * D + QMK_WARPS * kAttnMaxSplits * 6u <= QMK_SMEM_FLOATS, "split attention: combine stage");
+    const u32 u0 = (u32)((u64)blockIdx.x * U / gridDim.x), u1 = (u32)((u64)(blockIdx.x + 1u) * U / gridDim.x);
+    const bool marks = (p.flags & kFlagTrace) && threadIdx.x == 0;
+    if (u0 < u1) {
+        __shared__ int s_ok;
+        if (threadIdx.x == 0) {
+            int ok = 1;
+            for (u32 g = u0 / NQ; ok && g <= (u1 - 1u) / NQ; ++g) {
+                const u32* t = tickets + layer * QMK_KV_HEADS + g;
+                ok = bounded_wait(p, [&] { return ld_acquire_u32(t) >= S; }, kErrCounterTimeout, kPhaseAttention,
+                                  layer);
+            }
+            s_ok = ok;
         }
         __syncthreads();
-        if (!s_last) continue;
-        __threadfence();
-        // Thread = (quad of 4 dims of a head, block group): group sg merges
-        // blocks sg, sg + SG, ... (SG chains in flight instead of one S long),
-        // then thread sg = 0 merges the SG results in order. Fixed
-        // assignment and order: the same bits whichever CTA combines.
-        constexpr u32 NQ = (u32)(G * D / 4);
-        constexpr u32 SG0 = QMK_THREADS / NQ, SG = SG0 < 1u ? 1u : (SG0 > 8u ? 8u : SG0);
-        static_assert(NQ <= QMK_THREADS && SG * NQ * 6u <= kAttnSplitMergeFloats, "split attention: combine layout");
-        float* cm = wm;  // [SG, NQ, 6]: num[4], M, den (the warp merge is done)
-        if (threadIdx.x < NQ * SG) {
-            const u32 qd = threadIdx.x % NQ, sg = threadIdx.x / NQ;
-            const u32 h = qd / (D / 4), d = qd % (D / 4) * 4u, hd = g * G + h;
+        if (!s_ok) return false;
+        float* stage = qs + G * D + warp * kAttnMaxSplits * 6u;  // [SM, 6]: acc[4], m, l
+        for (u32 u = u0 + warp; u < u1; u += QMK_WARPS) {
+            const u32 hd = u / (u32)(D / 4), d = u % (u32)(D / 4) * 4u;
             const float* pa = part_acc + (size_t)hd * SM * D + d;  // [SM, D] f32, from dim d
             const float* pm = part_ml + (size_t)hd * SM * 2u;      // [SM, 2] f32
-            float M = -QMK_INF, den = 0.0f;
-            float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            // Unrolled: the loads of 8 blocks are in flight together.
-#pragma unroll 8
-            for (u32 b = sg; b < S; b += SG) {
-                const float2 ml = __ldcg(reinterpret_cast<const float2*>(pm + b * 2u));
-                attn_merge_step(M, den, num, ml.x, ml.y, __ldcg(reinterpret_cast<const float4*>(pa + (size_t)b * D)));
+#pragma unroll
+            for (u32 i = 0; i < 2u; ++i) {
+                const u32 b = lane + 32u * i;
+                if (b < S) {
+                    const float4 a = __ldcg(reinterpret_cast<const float4*>(pa + (size_t)b * D));
+                    const float2 ml = __ldcg(reinterpret_cast<const float2*>(pm + b * 2u));
+                    float* st = stage + b * 6u;
+                    st[0] = a.x; st[1] = a.y; st[2] = a.z; st[3] = a.w;
+                    st[4] = ml.x; st[5] = ml.y;
+                }
             }
-            float* c = cm + (sg * NQ + qd) * 6u;
-            c[0] = num.x; c[1] = num.y; c[2] = num.z; c[3] = num.w;
-            c[4] = M; c[5] = den;
-        }
-        __syncthreads();
-        if (threadIdx.x < NQ) {
-            const u32 qd = threadIdx.x, h = qd / (D / 4), d = qd % (D / 4) * 4u, hd = g * G + h;
+            __syncwarp();
             float M = -QMK_INF, den = 0.0f;
             float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (lane < SG) {
+                for (u32 b = lane; b < S; b += SG) {
+                    const float* st = stage + b * 6u;
+                    attn_merge_step(M, den, num, st[4], st[5], make_float4(st[0], st[1], st[2], st[3]));
+                }
+            }
+            float fM = -QMK_INF, fden = 0.0f;
+            float4 fnum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             for (u32 sg = 0; sg < SG; ++sg) {
-                const float* c = cm + (sg * NQ + qd) * 6u;
-                attn_merge_step(M, den, num, c[4], c[5], make_float4(c[0], c[1], c[2], c[3]));
+                const float m = __shfl_sync(QMK_FULL_MASK, M, sg), l = __shfl_sync(QMK_FULL_MASK, den, sg);
+                const float4 a = make_float4(__shfl_sync(QMK_FULL_MASK, num.x, sg), __shfl_sync(QMK_FULL_MASK, num.y, sg),
+                                             __shfl_sync(QMK_FULL_MASK, num.z, sg), __shfl_sync(QMK_FULL_MASK, num.w, sg));
+                attn_merge_step(fM, fden, fnum, m, l, a);
             }
-            *reinterpret_cast<float4*>(attn + hd * D + d) =
-                make_float4(num.x / den, num.y / den, num.z / den, num.w / den);
+            if (lane == 0)
+                *reinterpret_cast<float4*>(attn + hd * D + d) =
+                    make_float4(fnum.x / fden, fnum.y / fden, fnum.z / fden, fnum.w / fden);
+            __syncwarp();  // the stage is rewritten by the warp's next unit
         }
-        __syncthreads();
     }
+    if (marks) attn_marks(p, layer)[3] = globaltimer_ns();
+    return true;
 }
 
 }  // namespace qmk

@@ -10,7 +10,23 @@
 //     32,768 / 132;
 //   plain: each CTA a contiguous 1 / 132 of every layer's K and V bytes.
 // Every lane keeps 8 16-byte loads in flight (ld.global.cg, as the kernel's
-// copies go through L2). Best of 5 launches, GB/s of the 1.88 GB.
+// copies go through L2). Then the kernel's items read tile by tile as its
+// warps do (warp w: tiles of 16 rows at r0 + 16 w + 256 i):
+//   tiles, K + V: a tile's 8 K and 8 V pieces per lane in the kernel's lane
+//     map (K: 8 rows x 64 bytes per instruction, V: 4 rows x 128 bytes),
+//     16 loads in flight per lane;
+//   tiles, K then V: the same pieces, all K tiles of the item first, then
+//     all V tiles, 8 in flight;
+//   tiles, cp.async ring: the kernel's copy, a 16-slot ring per lane in
+//     shared memory, each slot refilled as soon as it is read;
+//   tiles, K + V, whole stripes: 16 loads per lane, each instruction 2 rows
+//     x 256 bytes (lane l: row + l / 16, bytes 16 (l % 16));
+//   tiles, cp.async ring, groups of 8: the same ring with one commit group
+//     per half tile (8 slots), waited for half a tile at a time;
+//   tiles, register ring of 8: each lane's slot k read, then slot k + 8
+//     loaded into the same registers (ld.global.cg), as a software
+//     pipeline in registers would.
+// Best of 5 launches, GB/s of the 1.88 GB.
 // Build and run: bash scripts/gpu/lab/kv-read/run.sh
 #include <cstdio>
 #include <cstdint>
@@ -38,9 +54,140 @@ __device__ __forceinline__ uint32_t read_pieces(uint32_t pieces, F addr) {
     return acc;
 }
 
+constexpr int kS = kCtas / kHeads;                  // 33 blocks per kv head
+constexpr uint32_t kB = (kRows + kS - 1) / kS;      // 993 rows per item
+constexpr int kRing = 16;                           // slots per lane (mode 6)
+
+// Byte offset of piece j (0-7 K, 8-15 V) of the tile at t0 for this lane,
+// or ~0 past the item's rows; `stripes`: 2 rows x 256 bytes per piece.
+__device__ __forceinline__ size_t piece(uint32_t t0, int j, uint32_t r1, int g, bool stripes) {
+    const uint32_t lane = threadIdx.x & 31u, gr = lane >> 2, gc = lane & 3u;
+    const int k = j & 7;
+    uint32_t t, off;
+    if (stripes) {
+        t = t0 + 2u * (uint32_t)k + (lane >> 4);
+        off = 16u * (lane & 15u);
+    } else if (j < 8) {
+        t = t0 + gr + ((k & 1) ? 8u : 0u);
+        off = 64u * (uint32_t)(k >> 1) + 16u * gc;
+    } else {
+        t = t0 + 2u * gc + (uint32_t)(k & 1) + ((k & 2) ? 8u : 0u);
+        off = 128u * (uint32_t)(k >> 2) + 16u * gr;
+    }
+    return t < r1 ? (size_t)t * kRowBytes + g * 256 + off : ~(size_t)0;
+}
+
+__device__ __forceinline__ void cp16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((uint32_t)__cvta_generic_to_shared(dst)),
+                 "l"(src) : "memory");
+}
+
+// The kernel's items, tile by tile (modes 4-7).
+__device__ uint32_t read_tiles(const char* kb, const char* vb, int mode, uint4* ring) {
+    const int c = blockIdx.x, g = c / kS, s = c % kS;
+    const uint32_t r0 = s * kB, r1 = min((uint32_t)kRows, r0 + kB), warp = threadIdx.x >> 5;
+    const uint32_t first = r0 + 16u * warp, stride = 16u * (kThreads / 32);
+    uint32_t acc = 0;
+    if (mode == 4 || mode == 7) {
+        for (uint32_t t0 = first; t0 < r1; t0 += stride) {
+            uint4 x[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const size_t o = piece(t0, j, r1, g, mode == 7);
+                x[j] = o == ~(size_t)0 ? make_uint4(0, 0, 0, 0) : ldcg((j < 8 ? kb : vb) + o);
+            }
+#pragma unroll
+            for (int j = 0; j < 16; ++j) acc ^= x[j].x ^ x[j].y ^ x[j].z ^ x[j].w;
+        }
+    } else if (mode == 5) {
+        for (int half = 0; half < 2; ++half)
+            for (uint32_t t0 = first; t0 < r1; t0 += stride) {
+                uint4 x[8];
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    const size_t o = piece(t0, 8 * half + j, r1, g, false);
+                    x[j] = o == ~(size_t)0 ? make_uint4(0, 0, 0, 0) : ldcg((half ? vb : kb) + o);
+                }
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc ^= x[j].x ^ x[j].y ^ x[j].z ^ x[j].w;
+            }
+    } else if (mode == 8) {
+        // Two groups of 8 slots in flight: wait for the older, read it, refill.
+        uint4* mine = ring + (threadIdx.x >> 5) * kRing * 32 + (threadIdx.x & 31);
+        auto issue8 = [&](uint32_t t0, int h) {
+#pragma unroll
+            for (int j = 8 * h; j < 8 * h + 8; ++j) {
+                const size_t o = piece(t0, j, r1, g, false);
+                if (t0 < r1 && o != ~(size_t)0) cp16(mine + j * 32, (j < 8 ? kb : vb) + o);
+            }
+            asm volatile("cp.async.commit_group;\n" ::: "memory");
+        };
+        issue8(first, 0);
+        issue8(first, 1);
+        for (uint32_t t0 = first; t0 < r1; t0 += stride) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+#pragma unroll
+                for (int j = 8 * h; j < 8 * h + 8; ++j) {
+                    const uint4 x = mine[j * 32];
+                    acc ^= x.x ^ x.y ^ x.z ^ x.w;
+                }
+                issue8(t0 + stride, h);
+            }
+        }
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    } else if (mode == 9) {
+        uint4 buf[8];
+        auto ld = [&](uint32_t t0, int j) {
+            const size_t o = piece(t0, j, r1, g, false);
+            return t0 < r1 && o != ~(size_t)0 ? ldcg((j < 8 ? kb : vb) + o) : make_uint4(0, 0, 0, 0);
+        };
+#pragma unroll
+        for (int j = 0; j < 8; ++j) buf[j] = ld(first, j);
+        for (uint32_t t0 = first; t0 < r1; t0 += stride) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const uint4 x = buf[j % 8];
+                acc ^= x.x ^ x.y ^ x.z ^ x.w;
+                buf[j % 8] = ld(j < 8 ? t0 : t0 + stride, (j + 8) % 16);
+            }
+        }
+    } else {
+        // The kernel's ring: slot j holds piece j % 16 of the tile j / 16 on;
+        // one commit group per slot (empty past the item).
+        uint4* mine = ring + (threadIdx.x >> 5) * kRing * 32 + (threadIdx.x & 31);
+        auto issue = [&](uint32_t t0, int j, int r) {
+            const size_t o = piece(t0, j, r1, g, false);
+            if (t0 < r1 && o != ~(size_t)0) cp16(mine + r * 32, (j < 8 ? kb : vb) + o);
+            asm volatile("cp.async.commit_group;\n" ::: "memory");
+        };
+#pragma unroll
+        for (int j = 0; j < kRing; ++j) issue(first, j, j);
+        for (uint32_t t0 = first; t0 < r1; t0 += stride) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                asm volatile("cp.async.wait_group %0;\n" ::"n"(kRing - 1) : "memory");
+                const uint4 x = mine[j * 32];
+                acc ^= x.x ^ x.y ^ x.z ^ x.w;
+                issue(t0 + stride, j, j);
+            }
+        }
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    }
+    return acc;
+}
+
 __global__ void __launch_bounds__(kThreads, 1) kv_read(const char* k, const char* v, int mode, uint32_t* sink) {
+    extern __shared__ uint4 ring[];
     uint32_t acc = 0;
     const int c = blockIdx.x;
+    if (mode >= 4) {
+        for (int layer = 0; layer < kLayers; ++layer)
+            acc ^= read_tiles(k + (size_t)layer * kLayerBytes, v + (size_t)layer * kLayerBytes, mode, ring);
+        if (acc == 0x12345678u) sink[0] = acc;
+        return;
+    }
     for (int layer = 0; layer < kLayers; ++layer) {
         for (int kv = 0; kv < 2; ++kv) {
             const char* base = (kv ? v : k) + (size_t)layer * kLayerBytes;
@@ -71,17 +218,22 @@ int main() {
     if (cudaMalloc(&k, bytes) || cudaMalloc(&v, bytes) || cudaMalloc(&sink, 4)) { printf("alloc failed\n"); return 1; }
     cudaMemset(k, 1, bytes);
     cudaMemset(v, 2, bytes);
-    const char* names[4] = {"quarter rows, head-major items (the kernel's)", "quarter rows, block-major items",
-                            "whole rows, one block per CTA", "plain contiguous read"};
+    const char* names[10] = {"quarter rows, head-major items (the kernel's)", "quarter rows, block-major items",
+                            "whole rows, one block per CTA", "plain contiguous read",
+                            "tiles, K + V, the kernel's lane map", "tiles, K then V", "tiles, cp.async ring",
+                            "tiles, K + V, whole stripes", "tiles, cp.async ring, groups of 8",
+                            "tiles, register ring of 8"};
+    const int smem = (kThreads / 32) * kRing * 32 * 16;
+    if (cudaFuncSetAttribute(kv_read, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) { printf("smem\n"); return 1; }
     cudaEvent_t a, b;
     cudaEventCreate(&a);
     cudaEventCreate(&b);
     for (int round = 0; round < 2; ++round)
-        for (int mode = 0; mode < 4; ++mode) {
+        for (int mode = 0; mode < 10; ++mode) {
             float best = 1e9f;
             for (int it = 0; it < 5; ++it) {
                 cudaEventRecord(a);
-                kv_read<<<kCtas, kThreads>>>(k, v, mode, sink);
+                kv_read<<<kCtas, kThreads, smem>>>(k, v, mode, sink);
                 cudaEventRecord(b);
                 cudaEventSynchronize(b);
                 float ms;
