@@ -41,6 +41,29 @@ fn is_child(name: &str) -> bool {
     std::env::var(CHILD).as_deref() == Ok(name)
 }
 
+/// Whether child test `me` runs here (only as `parent`'s child); prints why
+/// not.
+fn runs_as_child_of(me: &str, parent: &str) -> bool {
+    let yes = is_child(me);
+    if !yes {
+        println!("{me}: runs only as the child of {parent}");
+    }
+    yes
+}
+
+/// Parent of a child test that prints `CHILD-OK <tag>` once its checks
+/// pass: the child must exit 0 after printing it.
+fn child_passes(test: &str, child: &str, tag: &str) {
+    let Some((code, out)) = run_child(test, child) else {
+        return;
+    };
+    assert_eq!(code, Some(0), "{test}: the child failed (output above)");
+    assert!(
+        out.contains(&format!("CHILD-OK {tag}")),
+        "{test}: the child did not run its checks (output above)"
+    );
+}
+
 /// Runs child test `child` of this binary in a subprocess; `None` (after
 /// printing why) without a GPU. Returns (exit code, stdout + stderr).
 fn run_child(test: &str, child: &str) -> Option<(Option<i32>, String)> {
@@ -70,11 +93,7 @@ fn run_child(test: &str, child: &str) -> Option<(Option<i32>, String)> {
 /// the host deadline when the spin budget is long; reset() recovers.
 fn hang_child<D: Driver>() {
     let me = format!("hang_child::{}", D::NAME);
-    if !is_child(&me) {
-        println!(
-            "{me}: runs only as the child of hang_is_bounded::{}",
-            D::NAME
-        );
+    if !runs_as_child_of(&me, &format!("hang_is_bounded::{}", D::NAME)) {
         return;
     }
     let w = weights("0.5b");
@@ -136,14 +155,10 @@ fn hang_child<D: Driver>() {
 
 /// Parent of [`hang_child`].
 fn hang_is_bounded<D: Driver>() {
-    let test = format!("hang_is_bounded {}", D::NAME);
-    let Some((code, out)) = run_child(&test, &format!("hang_child::{}", D::NAME)) else {
-        return;
-    };
-    assert_eq!(code, Some(0), "{test}: the child failed (output above)");
-    assert!(
-        out.contains(&format!("CHILD-OK hang {}", D::NAME)),
-        "{test}: the child did not run its checks (output above)"
+    child_passes(
+        &format!("hang_is_bounded {}", D::NAME),
+        &format!("hang_child::{}", D::NAME),
+        &format!("hang {}", D::NAME),
     );
 }
 
@@ -155,11 +170,7 @@ fn hang_is_bounded<D: Driver>() {
 /// same pick as before.
 fn ticket_child<D: Driver>() {
     let me = format!("ticket_child::{}", D::NAME);
-    if !is_child(&me) {
-        println!(
-            "{me}: runs only as the child of ticket_wait_is_bounded::{}",
-            D::NAME
-        );
+    if !runs_as_child_of(&me, &format!("ticket_wait_is_bounded::{}", D::NAME)) {
         return;
     }
     let w = weights("0.5b");
@@ -214,14 +225,10 @@ fn ticket_child<D: Driver>() {
 
 /// Parent of [`ticket_child`].
 fn ticket_wait_is_bounded<D: Driver>() {
-    let test = format!("ticket_wait_is_bounded {}", D::NAME);
-    let Some((code, out)) = run_child(&test, &format!("ticket_child::{}", D::NAME)) else {
-        return;
-    };
-    assert_eq!(code, Some(0), "{test}: the child failed (output above)");
-    assert!(
-        out.contains(&format!("CHILD-OK ticket {}", D::NAME)),
-        "{test}: the child did not run its checks (output above)"
+    child_passes(
+        &format!("ticket_wait_is_bounded {}", D::NAME),
+        &format!("ticket_child::{}", D::NAME),
+        &format!("ticket {}", D::NAME),
     );
 }
 
@@ -231,8 +238,7 @@ fn ticket_wait_is_bounded<D: Driver>() {
 /// engine drops cleanly and the process exits 0.
 fn oob_child<D: Driver>() {
     let me = format!("oob_child::{}", D::NAME);
-    if !is_child(&me) {
-        println!("{me}: runs only as the child of oob_is_sticky::{}", D::NAME);
+    if !runs_as_child_of(&me, &format!("oob_is_sticky::{}", D::NAME)) {
         return;
     }
     let w = weights("0.5b");

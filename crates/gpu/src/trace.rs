@@ -53,7 +53,7 @@ pub struct AttentionParts {
     pub q_us: f64,
     /// Mean item: q staged to its K/V stream done (every warp), us.
     pub stream_us: f64,
-    /// Mean item: stream done to partial out and ticket taken, us.
+    /// Mean item: stream done to partial out and ticket released, us.
     pub partial_us: f64,
     /// Mean item: partial out to the end of its CTA's combine share (the
     /// wait for the kv heads' last partials included), us.
@@ -95,7 +95,8 @@ impl StepTrace {
             .checked_mul(layers as usize)
             .and_then(|n| n.checked_mul(ATTN_MARKS as usize));
         let want = slots.zip(marks).and_then(|(a, b)| a.checked_add(b));
-        let (Some(slots), true) = (slots, want == Some(raw.len())) else {
+        let (Some(slots), true) = (slots, grid > 0 && barriers > 0 && want == Some(raw.len()))
+        else {
             return Err(Error::Option {
                 field: "trace",
                 reason: format!(
@@ -105,12 +106,6 @@ impl StepTrace {
                 ),
             });
         };
-        if grid == 0 || barriers == 0 {
-            return Err(Error::Option {
-                field: "trace",
-                reason: format!("a grid of {grid} CTAs with {barriers} barriers"),
-            });
-        }
         let marks = raw.split_off(slots);
         Ok(Self {
             grid,
@@ -190,22 +185,14 @@ impl StepTrace {
             layers += 1;
             let n = items.len() as f64;
             let rel = |c: u32| self.release(c, k - 1);
+            // The mean over the items of one span between marks, ns -> us.
+            let mean = |span: &dyn Fn(u32, &[u64; 4]) -> u64| {
+                items.iter().map(|(c, m)| us(span(*c, m))).sum::<f64>() / n
+            };
             a.items += n;
-            a.q_us += items
-                .iter()
-                .map(|&(c, m)| us(m[0].saturating_sub(rel(c))))
-                .sum::<f64>()
-                / n;
-            a.stream_us += items
-                .iter()
-                .map(|(_, m)| us(m[1].saturating_sub(m[0])))
-                .sum::<f64>()
-                / n;
-            a.partial_us += items
-                .iter()
-                .map(|(_, m)| us(m[2].saturating_sub(m[1])))
-                .sum::<f64>()
-                / n;
+            a.q_us += mean(&|c, m| m[0].saturating_sub(rel(c)));
+            a.stream_us += mean(&|_, m| m[1].saturating_sub(m[0]));
+            a.partial_us += mean(&|_, m| m[2].saturating_sub(m[1]));
             let combines: Vec<f64> = items
                 .iter()
                 .filter(|(_, m)| m[3] != 0)

@@ -261,6 +261,7 @@ __device__ __forceinline__ bool attention_split(const Params& p, u32 layer, u32 
     const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const u32 gr = lane >> 2, gc = lane & 3u;  // fragment row group, column pair
     const float qscale = 1.4426950408889634f / sqrtf((float)D);
+    const bool marks = (p.flags & kFlagTrace) && threadIdx.x == 0;  // timeline marks (thread 0)
     // [R] 16-byte slots 32 apart: this lane's ring (lanes side by side, no
     // bank conflicts); it shares its space with the merge buffers.
     uint4* ring = reinterpret_cast<uint4*>(qs + G * D) + warp * (u32)R * 32u + lane;
@@ -304,7 +305,6 @@ __device__ __forceinline__ bool attention_split(const Params& p, u32 layer, u32 
         for (u32 i = threadIdx.x; i < (u32)(G * D); i += QMK_THREADS)
             qs[i] = __ldcg(q + g * G * D + i) * qscale;
         __syncthreads();
-        const bool marks = (p.flags & kFlagTrace) && threadIdx.x == 0;
         if (marks) attn_marks(p, layer)[0] = globaltimer_ns();
         // q^T's B fragments, hi and lo: head gr (zero past G), k-step ks =
         // dims 32 (ks / 2) + 8 gc + 4 (ks % 2) .. + 3.
@@ -468,7 +468,8 @@ __device__ __forceinline__ bool attention_split(const Params& p, u32 layer, u32 
         // every thread's partial writes visible to thread 0 first).
         __syncthreads();
         if (threadIdx.x == 0) {
-            if (!((p.flags & kFlagDebugNoTicket) && item == 0u)) red_release_add_u32(&tickets[layer * QMK_KV_HEADS + g], 1u);
+            const bool hook = (p.flags & kFlagDebugNoTicket) && item == 0u;  // fault test: never released
+            if (!hook) red_release_add_u32(&tickets[layer * QMK_KV_HEADS + g], 1u);
             if (marks) attn_marks(p, layer)[2] = globaltimer_ns();
         }
     }
@@ -487,7 +488,6 @@ __device__ __forceinline__ bool attention_split(const Params& p, u32 layer, u32 
     static_assert(SG <= 32u && kAttnMaxSplits <= 64u, "split attention: a warp stages 64 blocks");
     static_assert(G * D + QMK_WARPS * kAttnMaxSplits * 6u <= QMK_SMEM_FLOATS, "split attention: combine stage");
     const u32 u0 = (u32)((u64)blockIdx.x * U / gridDim.x), u1 = (u32)((u64)(blockIdx.x + 1u) * U / gridDim.x);
-    const bool marks = (p.flags & kFlagTrace) && threadIdx.x == 0;
     if (u0 < u1) {
         __shared__ int s_ok;
         if (threadIdx.x == 0) {
