@@ -71,7 +71,7 @@ static_assert(QMK_BARRIERS_PER_STEP == 5 * QMK_LAYERS + 1, "barrier count drifte
 extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
     qmk_decode_step(const qmk::Params p) {
     using namespace qmk;
-    extern __shared__ float4 qmk_dyn_smem[];
+    extern __shared__ __align__(128) float4 qmk_dyn_smem[];  // 128: the bulk copies' stages
     float* xs = reinterpret_cast<float*>(qmk_dyn_smem);  // [QMK_SMEM_FLOATS] f32
     __shared__ float red[QMK_WARPS];
 

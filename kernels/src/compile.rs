@@ -56,6 +56,13 @@ impl Arch {
         self.0 == 90
     }
 
+    /// Bulk tensor copies (`cp.async.bulk.tensor`, sm_90 and later): the
+    /// decode split attention streams its K/V with them
+    /// ([`crate::KernelParams::kv_maps`]).
+    pub fn has_bulk_tensor_copies(self) -> bool {
+        self.0 >= 90
+    }
+
     /// The NVRTC `--gpu-architecture` value: `sm_90a` on Hopper, else
     /// `sm_XY`.
     pub fn target(self) -> String {

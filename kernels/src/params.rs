@@ -165,6 +165,12 @@ pub struct KernelParams {
     /// 0 only), slot k (arrival, release) of barrier k; then u64 `[grid, L,`
     /// [`ATTN_MARKS`]`]`, the split attention's marks (device address).
     pub trace: u64,
+    /// Bulk tensor copy descriptors (`CUtensorMap`, 128 bytes each) of the
+    /// K and V caches as 2-D tensors `[L * C, KV]` bf16 in boxes of
+    /// [`crate::ATTN_TILE`] rows x D, K's first (device address, 64-byte
+    /// aligned); the split attention's K/V stream on sm_90 and later. 0 on
+    /// earlier archs.
+    pub kv_maps: u64,
 }
 
 /// Most sequence blocks per kv head of the split attention (`qmk::kAttnMaxSplits`).
@@ -439,6 +445,7 @@ pub fn params_check_header() -> String {
             reserved,
             attn_part,
             trace,
+            kv_maps,
         ]
     );
     // `base` is at offset 0; its size is asserted through `tokens`' offset.
@@ -553,7 +560,7 @@ mod tests {
     fn sizes_are_what_the_cuda_twin_expects() {
         assert_eq!(
             size_of::<KernelParams>(),
-            15 * MAX_CHUNKS * 8 + 17 * 8 + 6 * 4
+            15 * MAX_CHUNKS * 8 + 18 * 8 + 6 * 4
         );
         assert_eq!(size_of::<SyncState>(), 32);
         assert_eq!(size_of::<HostStatus>(), 32);

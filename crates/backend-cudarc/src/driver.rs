@@ -7,7 +7,10 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, DriverError};
 use qmk_engine::BackendKind;
-use qmk_gpu::{CudaCode, DeviceAttr, DeviceMemory, Driver, Error, LaunchShape, MappedHost, Result};
+use qmk_gpu::{
+    tensor_map_bytes, CudaCode, DeviceAttr, DeviceMemory, Driver, Error, LaunchShape, MappedHost,
+    Result, TensorMap2d, TENSOR_MAP_BYTES,
+};
 
 fn code(e: DriverError) -> CudaCode {
     CudaCode(e.0 as u32)
@@ -281,6 +284,39 @@ impl Driver for CudarcDriver {
     unsafe fn memset_d16(&self, dst: u64, value: u16, n: usize) -> Result<(), CudaCode> {
         // SAFETY: per the trait's contract.
         check(unsafe { sys::cuMemsetD16_v2(dst, value, n) })
+    }
+
+    fn tensor_map(&self, t: &TensorMap2d) -> Result<[u8; TENSOR_MAP_BYTES], CudaCode> {
+        use sys::{
+            CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
+            CUtensorMapL2promotion, CUtensorMapSwizzle,
+        };
+        let mut m = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+        let dims = [t.cols, t.rows];
+        let strides = [t.row_bytes];
+        let boxes = [t.box_cols, t.box_rows];
+        let elem_strides = [1u32, 1];
+        // SAFETY: every pointer is to a live local of the rank's length; the
+        // call only writes the descriptor.
+        check(unsafe {
+            sys::cuTensorMapEncodeTiled(
+                m.as_mut_ptr(),
+                CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                2,
+                t.base as *mut c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                elem_strides.as_ptr(),
+                CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+                CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        })?;
+        // SAFETY: zero-initialised, then written by the driver; plain bytes.
+        let m = unsafe { m.assume_init() };
+        Ok(tensor_map_bytes(&m.opaque))
     }
 
     fn stream(&self) -> Result<Stream, CudaCode> {

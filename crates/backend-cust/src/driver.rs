@@ -16,7 +16,10 @@ use cust::stream::{Stream, StreamFlags};
 use cust::sys;
 use cust::CudaFlags;
 use qmk_engine::BackendKind;
-use qmk_gpu::{CudaCode, DeviceAttr, DeviceMemory, Driver, Error, LaunchShape, MappedHost, Result};
+use qmk_gpu::{
+    tensor_map_bytes, CudaCode, DeviceAttr, DeviceMemory, Driver, Error, LaunchShape, MappedHost,
+    Result, TensorMap2d, TENSOR_MAP_BYTES,
+};
 
 /// cust folds codes it does not know into `UnknownError` (999).
 fn code(e: CudaError) -> CudaCode {
@@ -33,6 +36,27 @@ fn check(r: sys::CUresult) -> Result<(), CudaCode> {
 fn device(ordinal: usize) -> Result<Device, CudaCode> {
     let i = u32::try_from(ordinal).map_err(|_| CudaCode(101))?;
     Device::get_device(i).map_err(code)
+}
+
+// cust's bindings (CUDA 11 era) stop before the bulk tensor copy
+// descriptors: the one entry point, from the libcuda that cust links. Enum
+// arguments as the driver API's values: bf16 = 9, no interleave = 0, no
+// swizzle = 0, 256-byte L2 promotion = 3, no NaN fill = 0.
+extern "C" {
+    fn cuTensorMapEncodeTiled(
+        tensor_map: *mut [u64; TENSOR_MAP_BYTES / 8],
+        data_type: c_int,
+        rank: u32,
+        global_address: *mut c_void,
+        global_dim: *const u64,
+        global_strides: *const u64,
+        box_dim: *const u32,
+        element_strides: *const u32,
+        interleave: c_int,
+        swizzle: c_int,
+        l2_promotion: c_int,
+        oob_fill: c_int,
+    ) -> c_int;
 }
 
 /// The device's primary context, through cust.
@@ -249,6 +273,36 @@ impl Driver for CustDriver {
     unsafe fn memset_d16(&self, dst: u64, value: u16, n: usize) -> Result<(), CudaCode> {
         // SAFETY: per the trait's contract.
         check(unsafe { sys::cuMemsetD16_v2(dst, value, n) })
+    }
+
+    fn tensor_map(&self, t: &TensorMap2d) -> Result<[u8; TENSOR_MAP_BYTES], CudaCode> {
+        let mut m = [0u64; TENSOR_MAP_BYTES / 8];
+        let dims = [t.cols, t.rows];
+        let strides = [t.row_bytes];
+        let boxes = [t.box_cols, t.box_rows];
+        let elem_strides = [1u32, 1];
+        // SAFETY: every pointer is to a live local of the rank's length; the
+        // call only writes the 128-byte descriptor.
+        let r = unsafe {
+            cuTensorMapEncodeTiled(
+                &mut m,
+                9,
+                2,
+                t.base as *mut c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                elem_strides.as_ptr(),
+                0,
+                0,
+                3,
+                0,
+            )
+        };
+        match r {
+            0 => Ok(tensor_map_bytes(&m)),
+            e => Err(CudaCode(e as u32)),
+        }
     }
 
     fn stream(&self) -> Result<Stream, CudaCode> {

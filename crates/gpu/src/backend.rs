@@ -7,17 +7,17 @@ use qmk_engine::{Backend, BackendKind, StepOutput};
 use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG, FLAG_DEBUG_OOB};
 use qmk_kernels::{
     source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, PrefillParams, Resources,
-    THREADS_PER_CTA,
+    ATTN_TILE, THREADS_PER_CTA,
 };
 use qmk_model::{Config, Weights};
 
 use crate::cuda::{describe_cubin, CudaCode};
-use crate::driver::{device_info, DeviceMemory, Driver, LaunchShape};
+use crate::driver::{device_info, DeviceMemory, Driver, LaunchShape, TensorMap2d};
 use crate::error::{Error, Result};
 use crate::options::{DeviceInfo, Options, Progress, ABORT_GRACE};
 use crate::plan::{
     base_params, clamp_prefill_chunk, duration_ns, prefill_chunks, prefill_launch_params,
-    set_buffer, set_prefill_buffer, Buffer, LaunchInfo, MemoryPlan,
+    set_buffer, set_prefill_buffer, Buffer, LaunchInfo, MemoryPlan, KV_MAPS_BYTES,
 };
 use crate::staging::{planned_chunks, tie_embeddings, WeightSource, UPLOAD_PIECE_BYTES};
 use crate::status::StatusBlock;
@@ -145,6 +145,47 @@ fn check_free(config: &Config, capacity: u32, plan: &MemoryPlan, free: u64) -> R
         needed: plan.total_bytes,
         available: free,
     })
+}
+
+/// The split attention's bulk tensor copy descriptors
+/// ([`KernelParams::kv_maps`]): the K and V caches at `params`' addresses
+/// as 2-D bf16 tensors of L x `capacity` rows (positions of every layer) by
+/// KV columns, in boxes of one tile's positions x one kv head.
+fn kv_maps<D: Driver>(
+    d: &D,
+    config: &Config,
+    capacity: u32,
+    params: &KernelParams,
+) -> Result<Vec<u8>> {
+    let kv = config.kv_dim() as u64;
+    let rows = (config.num_hidden_layers as u64)
+        .checked_mul(u64::from(capacity))
+        // The copies' row coordinates are signed 32-bit.
+        .filter(|&r| r <= i32::MAX as u64)
+        .ok_or_else(|| {
+            Error::Overflow(format!(
+                "kv_maps: {} layers x {capacity} positions exceed the bulk copies' 2^31 rows",
+                config.num_hidden_layers
+            ))
+        })?;
+    let head = u32::try_from(config.head_dim())
+        .map_err(|_| Error::Overflow("kv_maps: head_dim".into()))?;
+    let mut out = Vec::with_capacity(KV_MAPS_BYTES as usize);
+    for (call, base) in [
+        ("cuTensorMapEncodeTiled (k_cache)", params.k_cache),
+        ("cuTensorMapEncodeTiled (v_cache)", params.v_cache),
+    ] {
+        let t = TensorMap2d {
+            base,
+            cols: kv,
+            rows,
+            row_bytes: kv * 2,
+            box_cols: head,
+            box_rows: ATTN_TILE as u32,
+        };
+        out.extend_from_slice(&d.tensor_map(&t).map_err(Error::at(call))?);
+    }
+    Ok(out)
 }
 
 /// Sets `f`'s dynamic shared memory and sizes its cooperative grid.
@@ -383,14 +424,20 @@ impl<D: Driver> GpuBackend<D> {
         let mut buffers = Vec::with_capacity(memory.buffers.len() + memory.prefill.len());
         let (mut sync, mut logits) = (None, None);
         for &(b, bytes) in &memory.buffers {
-            let table = match b {
-                Buffer::RopeCos => Some(&rope.cos),
-                Buffer::RopeSin => Some(&rope.sin),
+            // The caches come first in the plan: their addresses are set
+            // when the descriptors are encoded.
+            let maps;
+            let table: Option<&[u8]> = match b {
+                Buffer::RopeCos => Some(bytemuck::cast_slice(&rope.cos)),
+                Buffer::RopeSin => Some(bytemuck::cast_slice(&rope.sin)),
+                Buffer::KvMaps if info.arch.has_bulk_tensor_copies() => {
+                    maps = kv_maps(&driver, &config, capacity, &params)?;
+                    Some(&maps)
+                }
                 _ => None,
             };
             let buf = alloc(&driver, bytes, b.name(), table.is_none())?;
-            if let Some(t) = table {
-                let src: &[u8] = bytemuck::cast_slice(t);
+            if let Some(src) = table {
                 if src.len() as u64 != bytes {
                     return Err(Error::Overflow(format!(
                         "{}: the host table has {} bytes, the plan {bytes}",

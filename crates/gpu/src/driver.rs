@@ -132,6 +132,36 @@ impl Drop for MappedHost {
     }
 }
 
+/// Bytes of a bulk tensor copy descriptor (`CUtensorMap`).
+pub const TENSOR_MAP_BYTES: usize = 128;
+
+/// A descriptor's bytes from the 16 words the driver API writes it as.
+pub fn tensor_map_bytes(words: &[u64; TENSOR_MAP_BYTES / 8]) -> [u8; TENSOR_MAP_BYTES] {
+    let mut out = [0u8; TENSOR_MAP_BYTES];
+    for (o, w) in out.chunks_exact_mut(8).zip(words) {
+        o.copy_from_slice(&w.to_ne_bytes());
+    }
+    out
+}
+
+/// A 2-D bf16 tensor in device memory that the kernel reads with bulk
+/// tensor copies ([`Driver::tensor_map`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorMap2d {
+    /// Device address of element (0, 0); 16-byte aligned.
+    pub base: u64,
+    /// Elements per row.
+    pub cols: u64,
+    /// Rows.
+    pub rows: u64,
+    /// Bytes from one row to the next; a multiple of 16.
+    pub row_bytes: u64,
+    /// Elements per row of one copy's box (at most 256).
+    pub box_cols: u32,
+    /// Rows of one copy's box (at most 256).
+    pub box_rows: u32,
+}
+
 /// One CUDA context on one device, through one driver binding. A value of
 /// this type is the context (the device's primary context, retained); it is
 /// released on drop, after everything the backend allocated in it.
@@ -252,6 +282,13 @@ pub trait Driver: Sized {
     /// # Safety
     /// `dst..dst + 2 n` lies in a live allocation.
     unsafe fn memset_d16(&self, dst: u64, value: u16, n: usize) -> Result<(), CudaCode>;
+
+    /// Encodes the bulk tensor copy descriptor (`CUtensorMap`, 128 bytes)
+    /// of the 2-D bf16 tensor `t`: no swizzle, no interleave, 256-byte L2
+    /// promotion, elements past the tensor read as zero. The kernel copies
+    /// boxes of it into shared memory with `cp.async.bulk.tensor` (sm_90 and
+    /// later).
+    fn tensor_map(&self, t: &TensorMap2d) -> Result<[u8; TENSOR_MAP_BYTES], CudaCode>;
 
     /// A stream that does not synchronise with the legacy stream.
     fn stream(&self) -> Result<Self::Stream, CudaCode>;

@@ -41,7 +41,8 @@ pub use backend::GpuBackend;
 pub use bench::MIN_STREAM_BYTES;
 pub use cuda::{cuda_error_name, describe_cubin, is_sticky, CudaCode};
 pub use driver::{
-    device_count, device_info, devices, DeviceAttr, DeviceMemory, Driver, LaunchShape, MappedHost,
+    device_count, device_info, devices, tensor_map_bytes, DeviceAttr, DeviceMemory, Driver,
+    LaunchShape, MappedHost, TensorMap2d, TENSOR_MAP_BYTES,
 };
 pub use error::{Error, Result};
 pub use options::{

@@ -84,7 +84,13 @@ pub enum Buffer {
     AttnPart,
     /// The step timeline of `bench --profile` ([`trace_bytes`]).
     Trace,
+    /// `[2]` bulk tensor copy descriptors of the K and V caches
+    /// ([`KernelParams::kv_maps`], [`KV_MAPS_BYTES`]).
+    KvMaps,
 }
+
+/// Bytes of [`Buffer::KvMaps`]: two 128-byte descriptors.
+pub const KV_MAPS_BYTES: u64 = 256;
 
 impl Buffer {
     /// The field name in [`KernelParams`] (for error messages).
@@ -105,6 +111,7 @@ impl Buffer {
             Buffer::Sync => "sync",
             Buffer::AttnPart => "attn_part",
             Buffer::Trace => "trace",
+            Buffer::KvMaps => "kv_maps",
         }
     }
 }
@@ -127,6 +134,7 @@ pub fn set_buffer(params: &mut KernelParams, buffer: Buffer, addr: u64) {
         Buffer::Sync => &mut params.sync,
         Buffer::AttnPart => &mut params.attn_part,
         Buffer::Trace => &mut params.trace,
+        Buffer::KvMaps => &mut params.kv_maps,
     };
     *field = addr;
 }
@@ -416,6 +424,7 @@ impl MemoryPlan {
             (Buffer::Sync, size_of::<SyncState>() as u64),
             (Buffer::AttnPart, attn_part_bytes(config, grid)?),
             (Buffer::Trace, trace_bytes(config, grid)?),
+            (Buffer::KvMaps, KV_MAPS_BYTES),
         ];
         let mut prefill = Vec::new();
         if let Some(t) = prefill_chunk {

@@ -256,7 +256,9 @@ pub(crate) mod mock {
     use qmk_engine::BackendKind;
 
     use crate::cuda::CudaCode;
-    use crate::driver::{DeviceAttr, DeviceMemory, Driver, LaunchShape, MappedHost};
+    use crate::driver::{
+        DeviceAttr, DeviceMemory, Driver, LaunchShape, MappedHost, TensorMap2d, TENSOR_MAP_BYTES,
+    };
     use crate::error::Result;
 
     /// A queued copy: (sequence number, device address, host address, bytes).
@@ -509,6 +511,9 @@ pub(crate) mod mock {
         }
         unsafe fn memset_d16(&self, _: u64, _: u16, _: usize) -> Result<(), CudaCode> {
             Err(NOT_SUPPORTED)
+        }
+        fn tensor_map(&self, _: &TensorMap2d) -> Result<[u8; TENSOR_MAP_BYTES], CudaCode> {
+            Ok([0; TENSOR_MAP_BYTES])
         }
         fn stream(&self) -> Result<(), CudaCode> {
             Ok(())

@@ -54,6 +54,17 @@ __device__ __forceinline__ uint4 ld_weight16(const void* p) {
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
 }
+// 16 bytes from a shared-window address (a 32-bit register, not a
+// generic pointer). Ordered after the writes that completed an mbarrier
+// phase this thread waited for; volatile keeps it after that wait.
+__device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
 
 // 16 bytes global -> shared, bypassing L1; src_bytes = 0 writes zeros (rows
 // beyond the matrix; the source address must still be a valid one).
@@ -69,6 +80,54 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+
+// Bulk tensor copies (sm_90 and later): one instruction moves a box of a
+// 2-D tensor (a CUtensorMap the host encoded) into shared memory and
+// completes its bytes on an mbarrier. No swizzle: the destination is
+// 128-byte aligned. Defined on every arch so that code choosing by
+// kHasBulkCopies compiles everywhere; before sm_90 they trap.
+#if __CUDA_ARCH__ >= 900
+constexpr bool kHasBulkCopies = true;
+#define QMK_BULK_ASM(...) asm volatile(__VA_ARGS__)
+#else
+constexpr bool kHasBulkCopies = false;
+#define QMK_BULK_ASM(...) __trap()
+#endif
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    QMK_BULK_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_inval(u32 bar) {
+    QMK_BULK_ASM("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Orders this thread's mbarrier inits before their use by the copies.
+__device__ __forceinline__ void mbar_init_fence() {
+    QMK_BULK_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// Orders this thread's earlier generic-proxy accesses (shared and global)
+// before its later bulk copies.
+__device__ __forceinline__ void fence_proxy_async_all() {
+    QMK_BULK_ASM("fence.proxy.async;\n" ::: "memory");
+}
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    QMK_BULK_ASM(
+        "{\n.reg .pred p;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT_%=;\n}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// Arrives on bar expecting `bytes`, then copies the box at (x, y) of the
+// tensor `map` into dst; the copy's bytes complete the phase.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const void* map, u32 bar, u32 bytes, u32 x, u32 y) {
+    QMK_BULK_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+    QMK_BULK_ASM(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"(map), "r"(x), "r"(y), "r"(bar)
+        : "memory");
+}
+#undef QMK_BULK_ASM
 
 // D += A B on tensor cores: bf16 m16n8k16, f32 accumulation (sm_80+).
 // Fragments (PTX ISA, mma.m16n8k16 .bf16; g = lane / 4, c = lane % 4):

@@ -60,6 +60,10 @@ struct Params {
                           // slot k = (arrival, release) of barrier k, in
                           // %globaltimer nanoseconds; then [grid, L, 4] u64
                           // split-attention marks (attn_marks)
+    u64 kv_maps;          // [2] CUtensorMap (128 bytes each, K then V) of the
+                          // caches as [L * C, KV] bf16 in boxes of kAttnTile
+                          // rows x D: the split attention's bulk copies
+                          // (sm_90 and later; 0 elsewhere)
 };
 
 // Most sequence blocks per kv head of the split attention (sizes its
