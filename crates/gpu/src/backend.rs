@@ -1027,3 +1027,42 @@ impl<D: Driver> std::fmt::Debug for GpuBackend<D> {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::upload::mock::{with, Mock};
+
+    #[test]
+    fn kv_maps_describe_both_caches_in_tile_boxes() {
+        let config = Config::preset("7b").unwrap();
+        let mut params: KernelParams = bytemuck::Zeroable::zeroed();
+        (params.k_cache, params.v_cache) = (0x10_0000, 0x20_0000);
+        with(|s| s.maps.clear());
+        let maps = kv_maps(&Mock, &config, 32_768, &params).unwrap();
+        assert_eq!(maps.len() as u64, KV_MAPS_BYTES);
+        // K's descriptor first, then V's.
+        assert_eq!(maps[..8], 0x10_0000u64.to_ne_bytes());
+        assert_eq!(maps[128..136], 0x20_0000u64.to_ne_bytes());
+        let want = |base| TensorMap2d {
+            base,
+            cols: 512,
+            rows: 28 * 32_768,
+            row_bytes: 1024,
+            box_cols: 128,
+            box_rows: 16,
+        };
+        with(|s| assert_eq!(s.maps, [want(0x10_0000), want(0x20_0000)]));
+    }
+
+    #[test]
+    fn kv_maps_refuse_rows_past_the_copies_coordinates() {
+        // 28 layers x 2^27 positions = 3.8e9 rows: past the signed 32-bit
+        // row coordinate of a bulk copy.
+        let config = Config::preset("7b").unwrap();
+        let params: KernelParams = bytemuck::Zeroable::zeroed();
+        let err = kv_maps(&Mock, &config, 1 << 27, &params).unwrap_err();
+        assert!(err.to_string().contains("kv_maps"), "{err}");
+        assert!(kv_maps(&Mock, &config, (1 << 31) / 28, &params).is_ok());
+    }
+}

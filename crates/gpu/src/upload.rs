@@ -286,6 +286,8 @@ pub(crate) mod mock {
         pub pinned_allocs: usize,
         /// Most pinned bytes live at once.
         pub max_pinned_bytes: usize,
+        /// Every tensor descriptor asked for.
+        pub maps: Vec<TensorMap2d>,
     }
 
     thread_local! {
@@ -512,8 +514,12 @@ pub(crate) mod mock {
         unsafe fn memset_d16(&self, _: u64, _: u16, _: usize) -> Result<(), CudaCode> {
             Err(NOT_SUPPORTED)
         }
-        fn tensor_map(&self, _: &TensorMap2d) -> Result<[u8; TENSOR_MAP_BYTES], CudaCode> {
-            Ok([0; TENSOR_MAP_BYTES])
+        fn tensor_map(&self, t: &TensorMap2d) -> Result<[u8; TENSOR_MAP_BYTES], CudaCode> {
+            with(|s| s.maps.push(*t));
+            // The descriptor's first word: its base, so a test can tell K's from V's.
+            let mut out = [0; TENSOR_MAP_BYTES];
+            out[..8].copy_from_slice(&t.base.to_ne_bytes());
+            Ok(out)
         }
         fn stream(&self) -> Result<(), CudaCode> {
             Ok(())

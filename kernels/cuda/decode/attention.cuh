@@ -313,10 +313,11 @@ __device__ __forceinline__ bool attention_split(const Params& p, u32 layer, u32 
             cp_async16(smem_u32(ring + r * 32u), base + kv_off(ok ? t : b0, col), ok ? 16u : 0u);
         };
         // q's loads go out first (their data would otherwise queue behind
-        // the ring's fill), then the first R slots, then q is staged: slot
-        // j is slot j % NSLOT of the tile j / NSLOT tiles on. Every slot is
-        // one commit group (empty past the block), so waiting for all but
-        // the newest R - 1 groups waits for the slot read next.
+        // the first copies), then the first NST half-tiles (bulk copies) or
+        // the first R slots (ring), then q is staged. Ring slot j is slot
+        // j % NSLOT of the tile j / NSLOT tiles on. Every slot is one commit
+        // group (empty past the block), so waiting for all but the newest
+        // R - 1 groups waits for the slot read next.
         constexpr u32 QPT = ((u32)(G * D) + QMK_THREADS - 1u) / QMK_THREADS;  // q values per thread
         float qv[QPT];
 #pragma unroll
@@ -325,14 +326,17 @@ __device__ __forceinline__ bool attention_split(const Params& p, u32 layer, u32 
             qv[i] = e < (u32)(G * D) ? __ldcg(q + g * G * D + e) : 0.0f;
         }
         u32 t0 = b0 + warp * (u32)TILE;
-        // Half-tile h of this warp (the K of its tile h / 2 for even h,
-        // its V for odd) goes into stage h % NST and completes that stage's
-        // phase h / NST. send: the tile at cache row t (the caches as
-        // [L * C, KV]), K or V, into stage sidx.
-        auto send = [&](u32 t, u32 v, u32 sidx) {
+        // This warp's half-tiles (a tile's K, then its V) and the cache
+        // row of its first tile (the caches as [L * C, KV]).
+        const u32 halves = t0 < b1 ? 2u * ((b1 - t0 + STRIDE - 1u) / STRIDE) : 0u;
+        const u32 yfirst = layer * p.kv_capacity + t0;
+        // Half-tile h (the K of tile h / 2 for even h, its V for odd) into
+        // stage h % NST, completing that stage's phase h / NST.
+        auto send = [&](u32 h) {
+            const u32 sidx = h % (u32)NST;
             const char* maps = reinterpret_cast<const char*>(p.kv_maps);  // [2] CUtensorMap: K, V
-            tma_load_2d(st0 + sidx * HT, maps + v * 128u, bar0 + 8u * sidx, HT, g * (u32)D,
-                        layer * p.kv_capacity + t);
+            tma_load_2d(st0 + sidx * HT, maps + (h & 1u) * 128u, bar0 + 8u * sidx, HT, g * (u32)D,
+                        yfirst + (h >> 1) * STRIDE);
         };
         if constexpr (kHasBulkCopies) {
             if (lane < (u32)NST) mbar_init(bar0 + 8u * lane, 1u);
@@ -343,8 +347,7 @@ __device__ __forceinline__ bool attention_split(const Params& p, u32 layer, u32 
                 // this region of shared memory read) through the generic
                 // proxy; the copies read and write through the async one.
                 fence_proxy_async_all();
-                for (u32 h = 0; h < (u32)NST && t0 + (h >> 1) * STRIDE < b1; ++h)
-                    send(t0 + (h >> 1) * STRIDE, h & 1u, h);
+                for (u32 h = 0; h < (u32)NST && h < halves; ++h) send(h);
             }
         } else {
 #pragma unroll
@@ -408,12 +411,10 @@ __device__ __forceinline__ bool attention_split(const Params& p, u32 layer, u32 
                         if (t0 + row >= b1) x = make_uint4(0u, 0u, 0u, 0u);
                     }
                     if (k == KSL - 1 || k == NSLOT - 1) {
-                        // Half-tile h + NST: tile i + (NST + v) / 2 of this warp.
-                        const u32 v = k < KSL ? 0u : 1u, ahead = ((u32)NST + v) >> 1;
                         __syncwarp();
-                        if (lane == 0u && t0 + ahead * STRIDE < b1) {
+                        if (lane == 0u && h + (u32)NST < halves) {
                             fence_proxy_async_all();
-                            send(t0 + ahead * STRIDE, ((u32)NST + v) & 1u, sidx);
+                            send(h + (u32)NST);
                         }
                     }
                 } else {
