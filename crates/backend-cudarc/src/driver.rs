@@ -292,10 +292,7 @@ impl Driver for CudarcDriver {
             CUtensorMapL2promotion, CUtensorMapSwizzle,
         };
         let mut m = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-        let dims = [t.cols, t.rows];
-        let strides = [t.row_bytes];
-        let boxes = [t.box_cols, t.box_rows];
-        let elem_strides = [1u32, 1];
+        let (dims, strides, boxes, elem_strides) = t.encode_arrays();
         // SAFETY: every pointer is to a live local of the rank's length; the
         // call only writes the descriptor.
         check(unsafe {

@@ -277,10 +277,7 @@ impl Driver for CustDriver {
 
     fn tensor_map(&self, t: &TensorMap2d) -> Result<[u8; TENSOR_MAP_BYTES], CudaCode> {
         let mut m = [0u64; TENSOR_MAP_BYTES / 8];
-        let dims = [t.cols, t.rows];
-        let strides = [t.row_bytes];
-        let boxes = [t.box_cols, t.box_rows];
-        let elem_strides = [1u32, 1];
+        let (dims, strides, boxes, elem_strides) = t.encode_arrays();
         // SAFETY: every pointer is to a live local of the rank's length; the
         // call only writes the 128-byte descriptor.
         let r = unsafe {

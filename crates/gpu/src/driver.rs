@@ -162,6 +162,20 @@ pub struct TensorMap2d {
     pub box_rows: u32,
 }
 
+impl TensorMap2d {
+    /// The array arguments of `cuTensorMapEncodeTiled`, innermost dimension
+    /// first: global dims, the row stride in bytes, box dims, element
+    /// strides (every element).
+    pub fn encode_arrays(&self) -> ([u64; 2], [u64; 1], [u32; 2], [u32; 2]) {
+        (
+            [self.cols, self.rows],
+            [self.row_bytes],
+            [self.box_cols, self.box_rows],
+            [1, 1],
+        )
+    }
+}
+
 /// One CUDA context on one device, through one driver binding. A value of
 /// this type is the context (the device's primary context, retained); it is
 /// released on drop, after everything the backend allocated in it.
