@@ -82,6 +82,42 @@ impl Arch {
             _ => 99 * 1024,
         }
     }
+
+    /// Shared memory the system reserves per resident CTA, bytes.
+    pub const RESERVED_SMEM_PER_CTA: u32 = 1024;
+
+    /// The shared-memory carveouts an SM can be set to, KB, smallest first
+    /// (the CUDA programming guide, per compute capability); the rest of
+    /// [`Arch::unified_l1_smem_kb`] is L1.
+    pub fn smem_carveouts_kb(self) -> &'static [u32] {
+        match self.0 {
+            90 => &[0, 8, 16, 32, 64, 100, 132, 164, 196, 228],
+            80 | 87 => &[0, 8, 16, 32, 64, 100, 132, 164],
+            _ => &[0, 8, 16, 32, 64, 100],
+        }
+    }
+
+    /// L1 and shared memory together per SM, KB.
+    pub fn unified_l1_smem_kb(self) -> u32 {
+        match self.0 {
+            90 => 256,
+            80 | 87 => 192,
+            _ => 128,
+        }
+    }
+
+    /// For one resident CTA with `cta_smem_bytes` of static and dynamic
+    /// shared memory: the smallest carveout that holds it with the system's
+    /// reserve and the L1 that carveout leaves, KB; None past the largest.
+    /// Kernels whose L1 matters (the decode step's spills live there) lose
+    /// it in steps: a byte past a carveout costs the next step's difference.
+    pub fn carveout_for(self, cta_smem_bytes: u64) -> Option<(u32, u32)> {
+        let need = cta_smem_bytes + u64::from(Self::RESERVED_SMEM_PER_CTA);
+        self.smem_carveouts_kb()
+            .iter()
+            .find(|&&kb| u64::from(kb) * 1024 >= need)
+            .map(|&kb| (kb, self.unified_l1_smem_kb() - kb))
+    }
 }
 
 impl fmt::Display for Arch {
@@ -366,6 +402,26 @@ fn store(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_carveout_is_the_smallest_that_holds_the_cta_and_its_reserve() {
+        // 14B's decode step on sm_90: 133,632 B dynamic with 208 B static
+        // fits 132 KB (124 KB of L1); with 1,280 B static it needs 164 KB.
+        assert_eq!(Arch::SM90.carveout_for(133_632 + 208), Some((132, 124)));
+        assert_eq!(Arch::SM90.carveout_for(133_632 + 1_280), Some((164, 92)));
+        // Exactly full counts as fitting; one byte more does not.
+        assert_eq!(Arch::SM90.carveout_for(132 * 1024 - 1024), Some((132, 124)));
+        assert_eq!(Arch::SM90.carveout_for(132 * 1024 - 1023), Some((164, 92)));
+        assert_eq!(Arch::SM90.carveout_for(0), Some((8, 248)));
+        assert_eq!(Arch::SM90.carveout_for(227 * 1024), Some((228, 28)));
+        assert_eq!(Arch::SM90.carveout_for(228 * 1024), None);
+        assert_eq!(Arch::SM89.carveout_for(99 * 1024), Some((100, 28)));
+        assert_eq!(Arch::SM80.carveout_for(163 * 1024), Some((164, 28)));
+        for arch in Arch::CI {
+            let top = *arch.smem_carveouts_kb().last().unwrap();
+            assert_eq!(arch.max_smem_per_cta() + 1024, top * 1024, "{arch}");
+        }
+    }
 
     #[test]
     fn arch_parsing() {

@@ -51,8 +51,23 @@ pub fn run(a: CompileArgs) -> Result<()> {
         build.barriers_per_step,
         build.smem_for(arch)
     );
-    for r in cubin.resources() {
+    let resources = cubin.resources();
+    for r in &resources {
         text.push_str(&format!("  {r}\n"));
+    }
+    // The decode step runs one CTA per SM: its shared memory picks the
+    // SM's carveout, and the L1 its spills use is what is left.
+    if let Some(r) = resources.iter().find(|r| r.function == "qmk_decode_step") {
+        let cta = r.smem_bytes + u64::from(build.smem_for(arch));
+        text.push_str(&match arch.carveout_for(cta) {
+            Some((kb, l1)) => format!(
+                "  qmk_decode_step: {cta} B of shared memory per CTA + {} B reserved: the {kb} KB carveout, {l1} KB of L1\n",
+                Arch::RESERVED_SMEM_PER_CTA
+            ),
+            None => format!(
+                "  qmk_decode_step: {cta} B of shared memory per CTA: past every {arch} carveout\n"
+            ),
+        });
     }
     crate::output::print(&text)
 }
