@@ -73,14 +73,11 @@ impl Arch {
         }
     }
 
-    /// Largest opt-in shared memory per CTA, bytes (for early, clear errors).
+    /// Largest opt-in shared memory per CTA, bytes (for early, clear
+    /// errors): the largest carveout less the system's reserve.
     pub fn max_smem_per_cta(self) -> u32 {
-        match self.0 {
-            80 | 87 => 163 * 1024,
-            86 | 89 => 99 * 1024,
-            90 => 227 * 1024,
-            _ => 99 * 1024,
-        }
+        let top = self.smem_carveouts_kb().last().copied().unwrap_or(0);
+        (top * 1024).saturating_sub(Self::RESERVED_SMEM_PER_CTA)
     }
 
     /// Shared memory the system reserves per resident CTA, bytes.
@@ -417,10 +414,13 @@ mod tests {
         assert_eq!(Arch::SM90.carveout_for(228 * 1024), None);
         assert_eq!(Arch::SM89.carveout_for(99 * 1024), Some((100, 28)));
         assert_eq!(Arch::SM80.carveout_for(163 * 1024), Some((164, 28)));
-        for arch in Arch::CI {
-            let top = *arch.smem_carveouts_kb().last().unwrap();
-            assert_eq!(arch.max_smem_per_cta() + 1024, top * 1024, "{arch}");
-        }
+        // The opt-in limits the driver reports: the largest carveout less
+        // the reserve.
+        assert_eq!(Arch::SM80.max_smem_per_cta(), 163 * 1024);
+        assert_eq!(Arch(87).max_smem_per_cta(), 163 * 1024);
+        assert_eq!(Arch(86).max_smem_per_cta(), 99 * 1024);
+        assert_eq!(Arch::SM89.max_smem_per_cta(), 99 * 1024);
+        assert_eq!(Arch::SM90.max_smem_per_cta(), 227 * 1024);
     }
 
     #[test]
