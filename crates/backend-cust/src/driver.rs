@@ -5,6 +5,7 @@
 
 use std::ffi::{c_void, CString};
 use std::os::raw::c_int;
+use std::sync::OnceLock;
 
 use cust::context::{Context, CurrentContext};
 use cust::device::{Device, DeviceAttribute};
@@ -39,24 +40,40 @@ fn device(ordinal: usize) -> Result<Device, CudaCode> {
 }
 
 // cust's bindings (CUDA 11 era) stop before the bulk tensor copy
-// descriptors: the one entry point, from the libcuda that cust links. Enum
-// arguments as the driver API's values: bf16 = 9, no interleave = 0, no
-// swizzle = 0, 256-byte L2 promotion = 3, no NaN fill = 0.
-extern "C" {
-    fn cuTensorMapEncodeTiled(
-        tensor_map: *mut [u64; TENSOR_MAP_BYTES / 8],
-        data_type: c_int,
-        rank: u32,
-        global_address: *mut c_void,
-        global_dim: *const u64,
-        global_strides: *const u64,
-        box_dim: *const u32,
-        element_strides: *const u32,
-        interleave: c_int,
-        swizzle: c_int,
-        l2_promotion: c_int,
-        oob_fill: c_int,
-    ) -> c_int;
+// descriptors. The entry point (CUDA 12 and later) is looked up in the
+// loaded libcuda at run time, not linked: a linked symbol would be bound
+// when the program starts (full RELRO), so a CUDA 11 driver would refuse
+// to start it at all, though only sm_90 and later (CUDA 12 drivers) use
+// the descriptors. Enum arguments as the driver API's values: bf16 = 9, no
+// interleave = 0, no swizzle = 0, 256-byte L2 promotion = 3, no NaN
+// fill = 0.
+type EncodeTiled = unsafe extern "C" fn(
+    tensor_map: *mut [u64; TENSOR_MAP_BYTES / 8],
+    data_type: c_int,
+    rank: u32,
+    global_address: *mut c_void,
+    global_dim: *const u64,
+    global_strides: *const u64,
+    box_dim: *const u32,
+    element_strides: *const u32,
+    interleave: c_int,
+    swizzle: c_int,
+    l2_promotion: c_int,
+    oob_fill: c_int,
+) -> c_int;
+
+/// `cuTensorMapEncodeTiled` of the libcuda this process loaded, found once;
+/// `None` where the driver predates it.
+fn encode_tiled() -> Option<EncodeTiled> {
+    static ADDR: OnceLock<usize> = OnceLock::new();
+    let addr = *ADDR.get_or_init(|| {
+        // SAFETY: a NUL-terminated name; RTLD_DEFAULT searches the objects
+        // already loaded (cust links libcuda, so it is one of them).
+        unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"cuTensorMapEncodeTiled".as_ptr()) as usize }
+    });
+    // SAFETY: a non-null address of that name in libcuda is the function
+    // with the driver API's signature above.
+    (addr != 0).then(|| unsafe { std::mem::transmute::<usize, EncodeTiled>(addr) })
 }
 
 /// The device's primary context, through cust.
@@ -280,8 +297,9 @@ impl Driver for CustDriver {
         let (dims, strides, boxes, elem_strides) = t.encode_arrays();
         // SAFETY: every pointer is to a live local of the rank's length; the
         // call only writes the 128-byte descriptor.
+        let encode = encode_tiled().ok_or(CudaCode::NOT_FOUND)?;
         let r = unsafe {
-            cuTensorMapEncodeTiled(
+            encode(
                 &mut m,
                 9,
                 2,
@@ -372,5 +390,43 @@ impl Driver for CustDriver {
 
     fn elapsed_ms(&self, start: &Event, end: &Event) -> Result<f32, CudaCode> {
         end.elapsed_time_f32(start).map_err(code)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A program built with this backend starts on any driver: entry
+    /// points newer than cust's bindings are looked up at run time, never
+    /// linked (a linked one that the driver lacks stops the program before
+    /// `main`).
+    #[test]
+    fn newer_driver_entry_points_are_not_linked() {
+        // Keeps the descriptor code in this test program.
+        let keep: fn(&CustDriver, &TensorMap2d) -> Result<[u8; TENSOR_MAP_BYTES], CudaCode> =
+            <CustDriver as Driver>::tensor_map;
+        std::hint::black_box(keep);
+        let exe = std::env::current_exe().expect("the test program's path");
+        let out = match std::process::Command::new("nm")
+            .args(["-D", "--undefined-only"])
+            .arg(&exe)
+            .output()
+        {
+            Ok(o) if o.status.success() => o,
+            _ => {
+                println!("SKIPPED newer_driver_entry_points_are_not_linked: no working `nm`");
+                return;
+            }
+        };
+        let undefined = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            undefined.contains("dlsym"),
+            "nm lists the program's undefined dynamic symbols:\n{undefined}"
+        );
+        assert!(
+            !undefined.contains("cuTensorMapEncodeTiled"),
+            "cuTensorMapEncodeTiled is linked: a CUDA 11 driver could not start the program"
+        );
     }
 }
