@@ -303,9 +303,9 @@ impl Driver for CustDriver {
     fn tensor_map(&self, t: &TensorMap2d) -> Result<[u8; TENSOR_MAP_BYTES], CudaCode> {
         let mut m = [0u64; TENSOR_MAP_BYTES / 8];
         let (dims, strides, boxes, elem_strides) = t.encode_arrays();
+        let encode = encode_tiled().ok_or(CudaCode::NOT_FOUND)?;
         // SAFETY: every pointer is to a live local of the rank's length; the
         // call only writes the 128-byte descriptor.
-        let encode = encode_tiled().ok_or(CudaCode::NOT_FOUND)?;
         let r = unsafe {
             encode(
                 &mut m,
