@@ -48,6 +48,9 @@
 #               PROFILE_ALTS=1 profiles the variant binaries too
 #   hf          Hugging Face transformers eager on the same shapes
 #               (scripts/gpu/hf_side_by_side.py)
+#   goldens     the real 0.5B weights (as `real`): only transformers' plain
+#               goldens on both drivers (`test-real_weights goldens_plain`),
+#               the quick check for a kernel change that moves the bits
 #   real        the real 0.5B weights (QMK_REAL_QWEN, default /tmp/real-qwen/model,
 #               put there earlier in the same lease by real-qwen-to-device):
 #               transformers' goldens with Qwen2.5's YaRN setting
@@ -304,6 +307,12 @@ EOF
           --speculate ngram --speculate-always
       done
       bench speculate-auto-cudarc qwen-mk --model "$R" --backend cudarc --prompts "$P" ;;
+    goldens)
+      R=${QMK_REAL_QWEN:-/tmp/real-qwen/model}
+      [[ -f $R/config.json ]] || { note "FAIL goldens: no model at $R"; continue; }
+      QMK_REAL_QWEN=$R QMK_GOLDENS=$ROOT/crates/model/tests/data/golden/qwen2.5-coder-0.5b-instruct.jsonl \
+        run_tests test-real_weights 300 goldens_plain
+      grep -h "PASS\|diverges" "$LOG"/test-real_weights.log | while read -r x; do note "    ${x:0:300}"; done ;;
     real)
       R=${QMK_REAL_QWEN:-/tmp/real-qwen/model}
       [[ -f $R/config.json ]] || { note "FAIL real: no model at $R"; continue; }
