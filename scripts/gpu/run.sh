@@ -152,6 +152,15 @@ ALTS=$(cd "$BIN" && ls alt-* 2>/dev/null | tr '\n' ' ')
 
 # One test program, one test at a time; PASS needs exit 0, a result line and
 # no SKIPPED line (on the GPU machine a skip is a failure).
+# The real 0.5B model directory in $R (put there by real-qwen-to-device
+# earlier in the lease); a FAIL note for step $1 when it is not there.
+real_model() {
+  R=${QMK_REAL_QWEN:-/tmp/real-qwen/model}
+  [[ -f $R/config.json ]] || { note "FAIL $1: no model at $R"; return 1; }
+}
+# transformers' greedy goldens of the real 0.5B and their prompts.
+GOLDEN=$ROOT/crates/model/tests/data/golden
+
 run_tests() {
   local name=$1 lim=$2; shift 2
   local t=$SECONDS
@@ -298,8 +307,7 @@ for line in open(sys.argv[1]):
 EOF
       ;;
     speculate)
-      R=${QMK_REAL_QWEN:-/tmp/real-qwen/model}
-      [[ -f $R/config.json ]] || { note "FAIL speculate: no model at $R"; continue; }
+      real_model speculate || continue
       P=$ROOT/benches/prompts/code-edit.jsonl
       QMK_REAL_QWEN=$R run_tests test-speculative 400
       for d in cudarc cust; do
@@ -308,19 +316,16 @@ EOF
       done
       bench speculate-auto-cudarc qwen-mk --model "$R" --backend cudarc --prompts "$P" ;;
     goldens)
-      R=${QMK_REAL_QWEN:-/tmp/real-qwen/model}
-      [[ -f $R/config.json ]] || { note "FAIL goldens: no model at $R"; continue; }
-      QMK_REAL_QWEN=$R QMK_GOLDENS=$ROOT/crates/model/tests/data/golden/qwen2.5-coder-0.5b-instruct.jsonl \
+      real_model goldens || continue
+      QMK_REAL_QWEN=$R QMK_GOLDENS=$GOLDEN/qwen2.5-coder-0.5b-instruct.jsonl \
         run_tests test-real_weights 300 goldens_plain
       grep -h "PASS\|diverges" "$LOG"/test-real_weights.log | while read -r x; do note "    ${x:0:300}"; done ;;
     real)
-      R=${QMK_REAL_QWEN:-/tmp/real-qwen/model}
-      [[ -f $R/config.json ]] || { note "FAIL real: no model at $R"; continue; }
-      G=$ROOT/crates/model/tests/data/golden
-      export QMK_REAL_QWEN=$R QMK_GOLDENS=$G/qwen2.5-coder-0.5b-instruct.jsonl
+      real_model real || continue
+      export QMK_REAL_QWEN=$R QMK_GOLDENS=$GOLDEN/qwen2.5-coder-0.5b-instruct.jsonl
       yarn='{"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}'
       t=$SECONDS
-      timeout -k 5 450 python3 "$ROOT/scripts/gpu/hf_golden.py" "$R" "$G/prompts.jsonl" \
+      timeout -k 5 450 python3 "$ROOT/scripts/gpu/hf_golden.py" "$R" "$GOLDEN/prompts.jsonl" \
         "$OUT/golden-yarn.jsonl" --rope-scaling "$yarn" --rope-out "$OUT/rope-yarn.json" \
         > "$LOG/hf-golden-yarn.log" 2>&1 &
       hf=$!
@@ -334,8 +339,7 @@ EOF
       # The openai client suite against `qwen-mk serve` on the real 0.5B
       # weights, both drivers; then the server's own time to first token
       # and tok/s against `generate`'s on the same request.
-      R=${QMK_REAL_QWEN:-/tmp/real-qwen/model}
-      [[ -f $R/config.json ]] || { note "FAIL serve: no model at $R"; continue; }
+      real_model serve || continue
       V=/tmp/qmk-openai-venv
       python3 -m venv --system-site-packages "$V" > "$LOG/venv.log" 2>&1 \
         && "$V/bin/pip" install -q --no-index --find-links "$BIN/wheels" openai >> "$LOG/venv.log" 2>&1 \

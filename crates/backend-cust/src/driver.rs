@@ -65,23 +65,22 @@ type EncodeTiled = unsafe extern "C" fn(
 /// `cuTensorMapEncodeTiled` of the libcuda this process loaded, found once;
 /// `None` where the driver predates it.
 fn encode_tiled() -> Option<EncodeTiled> {
-    static ADDR: OnceLock<usize> = OnceLock::new();
-    let addr = *ADDR.get_or_init(|| {
+    static F: OnceLock<Option<EncodeTiled>> = OnceLock::new();
+    *F.get_or_init(|| {
         // SAFETY: NUL-terminated names. cust links libcuda.so.1, so dlopen
         // returns that loaded copy (also where this code itself was loaded
         // with RTLD_LOCAL, which a global lookup would miss); the handle is
-        // kept for the life of the process.
+        // kept for the life of the process. A non-null address of that
+        // name in libcuda is the function with the signature above.
         unsafe {
             let lib = libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL);
             if lib.is_null() {
-                return 0;
+                return None;
             }
-            libc::dlsym(lib, c"cuTensorMapEncodeTiled".as_ptr()) as usize
+            let f = libc::dlsym(lib, c"cuTensorMapEncodeTiled".as_ptr());
+            (!f.is_null()).then(|| std::mem::transmute::<*mut c_void, EncodeTiled>(f))
         }
-    });
-    // SAFETY: a non-null address of that name in libcuda is the function
-    // with the driver API's signature above.
-    (addr != 0).then(|| unsafe { std::mem::transmute::<usize, EncodeTiled>(addr) })
+    })
 }
 
 /// The device's primary context, through cust.
