@@ -11,7 +11,13 @@ __device__ __forceinline__ void warp_dot_rows(const char* const (&rows)[NR],
                                               const float* __restrict__ xs, float (&out)[NR]) {
     static_assert(K % 8 == 0, "rows must be whole 16-byte vectors");
     constexpr int NV = K / 8;              // 16-byte vectors per row
-    constexpr int U = NR == 1 ? 8 : 4;     // vectors per lane per row in flight
+    // Vectors per lane per row in flight: a one-row unit whose row takes at
+    // most kWholeRow per lane loads it all at once (one DRAM round trip);
+    // else 8, or 4 with two rows. The order of the sums is i ascending
+    // for every U, so U changes no bit.
+    constexpr int kWholeRow = 20;
+    constexpr int PL = (NV + 31) / 32;     // vectors per lane per row
+    constexpr int U = NR == 1 ? (PL <= kWholeRow ? PL : 8) : 4;
     const int lane = threadIdx.x & 31;
     const float4* xs4 = reinterpret_cast<const float4*>(xs);
     float acc[NR];
@@ -58,6 +64,24 @@ __device__ __forceinline__ u32 unit_at(u32 units, u32 k) {
     const u32 nwt = gridDim.x * QMK_WARPS;
     const bool tail = k >= units / nwt;
     return k * nwt + (tail ? warp * gridDim.x + blockIdx.x : blockIdx.x * QMK_WARPS + warp);
+}
+
+// A weight phase of `units` units of NR rows [K] each, after its prologue
+// has filled xs: each unit u of this warp gets rows_of(u, rows), then
+// e = early(u), the dot products with xs, and epilogue(u, out, e). early
+// loads what the epilogue adds (a residual, a bias) before the weight rows,
+// so its round trip overlaps theirs instead of following the warp's sum.
+template <int K, int NR, class RowsOf, class Early, class Epilogue>
+__device__ __forceinline__ void weight_phase(u32 units, const float* __restrict__ xs,
+                                             RowsOf rows_of, Early early, Epilogue epilogue) {
+    for (u32 k = 0, u; (u = unit_at(units, k)) < units; ++k) {
+        const char* rows[NR];
+        rows_of(u, rows);
+        const auto e = early(u);
+        float o[NR];
+        warp_dot_rows<K, NR>(rows, xs, o);
+        epilogue(u, o, e);
+    }
 }
 
 // 16-byte loads each thread has in flight in load_vec_to_smem. At 7B's down

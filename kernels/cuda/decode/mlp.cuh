@@ -16,12 +16,16 @@ __device__ __forceinline__ void mlp_gate_up(const Params& p, u32 layer, float* x
     const LayerView<gate_proj_t> wg(p.gate_proj, layer);
     const LayerView<up_proj_t> wu(p.up_proj, layer);
     float* h = reinterpret_cast<float*>(p.mlp_h);  // [I] f32
-    for (u32 k_ = 0, r; (r = unit_at(QMK_INTER, k_)) < QMK_INTER; ++k_) {
-        const char* rows[2] = {wg.row(r), wu.row(r)};
-        float o[2];
-        warp_dot_rows<(int)QMK_HIDDEN, 2>(rows, xs, o);
-        if ((threadIdx.x & 31) == 0) h[r] = silu(o[0]) * o[1];
-    }
+    weight_phase<(int)QMK_HIDDEN, 2>(
+        QMK_INTER, xs,
+        [&](u32 r, const char* (&rows)[2]) {
+            rows[0] = wg.row(r);
+            rows[1] = wu.row(r);
+        },
+        [](u32) { return 0; },
+        [&](u32 r, const float (&o)[2], int) {
+            if ((threadIdx.x & 31) == 0) h[r] = silu(o[0]) * o[1];
+        });
 }
 
 __device__ __forceinline__ void mlp_down(const Params& p, u32 layer, float* xs) {
@@ -29,12 +33,13 @@ __device__ __forceinline__ void mlp_down(const Params& p, u32 layer, float* xs) 
     __syncthreads();
     const LayerView<down_proj_t> w(p.down_proj, layer);
     float* x = reinterpret_cast<float*>(p.x);  // [H] f32
-    for (u32 k_ = 0, r; (r = unit_at(QMK_HIDDEN, k_)) < QMK_HIDDEN; ++k_) {
-        const char* rows[1] = {w.row(r)};
-        float o[1];
-        warp_dot_rows<(int)QMK_INTER, 1>(rows, xs, o);
-        if ((threadIdx.x & 31) == 0) x[r] = x[r] + o[0];
-    }
+    const bool lane0 = (threadIdx.x & 31) == 0;
+    weight_phase<(int)QMK_INTER, 1>(
+        QMK_HIDDEN, xs, [&](u32 r, const char* (&rows)[1]) { rows[0] = w.row(r); },
+        [&](u32 r) { return lane0 ? x[r] : 0.0f; },
+        [&](u32 r, const float (&o)[1], float res) {
+            if (lane0) x[r] = res + o[0];
+        });
 }
 
 }  // namespace qmk

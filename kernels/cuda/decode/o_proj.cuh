@@ -10,12 +10,13 @@ __device__ __forceinline__ void o_proj(const Params& p, u32 layer, u32 token, fl
     __syncthreads();
     const LayerView<o_proj_t> w(p.o_proj, layer);
     float* x = reinterpret_cast<float*>(p.x);  // [H] f32
-    for (u32 k_ = 0, r; (r = unit_at(QMK_HIDDEN, k_)) < QMK_HIDDEN; ++k_) {
-        const char* rows[1] = {w.row(r)};
-        float o[1];
-        warp_dot_rows<(int)QMK_Q_DIM, 1>(rows, xs, o);
-        if ((threadIdx.x & 31) == 0) x[r] = residual(p, layer, token, r) + o[0];
-    }
+    const bool lane0 = (threadIdx.x & 31) == 0;
+    weight_phase<(int)QMK_Q_DIM, 1>(
+        QMK_HIDDEN, xs, [&](u32 r, const char* (&rows)[1]) { rows[0] = w.row(r); },
+        [&](u32 r) { return lane0 ? residual(p, layer, token, r) : 0.0f; },
+        [&](u32 r, const float (&o)[1], float res) {
+            if (lane0) x[r] = res + o[0];
+        });
 }
 
 }  // namespace qmk

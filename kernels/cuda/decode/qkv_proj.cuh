@@ -26,40 +26,69 @@ __device__ __forceinline__ void qkv_proj(const Params& p, u32 layer, u32 token, 
     char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);  // [C, KV] bf16
     float* q = reinterpret_cast<float*>(p.q);              // [Q] f32
 
-    const u32 lane = threadIdx.x & 31;
-    for (u32 k_ = 0, u; (u = unit_at(QP + 2 * KP, k_)) < QP + 2 * KP; ++k_) {
+    // Unit u: which of q (0), k (1), v (2), its rotary index i and rows r0, r1.
+    struct Unit {
+        u32 which, i, r0, r1;
+    };
+    const auto unit = [&](u32 u) {
         const u32 which = u < QP ? 0u : (u < QP + KP ? 1u : 2u);
         const u32 uu = which == 0 ? u : (which == 1 ? u - QP : u - QP - KP);
         const u32 i = uu % HALF;
-        const u32 r0 = (uu / HALF) * D + i, r1 = r0 + HALF;
-        float o[2];
-        if (which == 0) {
-            const char* rows[2] = {wq.row(r0), wq.row(r1)};
-            warp_dot_rows<(int)QMK_HIDDEN, 2>(rows, xs, o);
-        } else if (which == 1) {
-            const char* rows[2] = {wk.row(r0), wk.row(r1)};
-            warp_dot_rows<(int)QMK_HIDDEN, 2>(rows, xs, o);
-        } else {
-            const char* rows[2] = {wv.row(r0), wv.row(r1)};
-            warp_dot_rows<(int)QMK_HIDDEN, 2>(rows, xs, o);
-        }
-        if (lane == 0) {
-            if (which == 0) {
-                float lo = o[0] + bq.elem(r0), hi = o[1] + bq.elem(r1);
-                rotary(p, pos, i, lo, hi);
-                q[r0] = lo;
-                q[r1] = hi;
-            } else if (which == 1) {
-                float lo = o[0] + bk.elem(r0), hi = o[1] + bk.elem(r1);
-                rotary(p, pos, i, lo, hi);
-                kv_append(kl, pos, r0, lo);
-                kv_append(kl, pos, r1, hi);
+        const u32 r0 = (uu / HALF) * D + i;
+        return Unit{which, i, r0, r0 + HALF};
+    };
+    weight_phase<(int)QMK_HIDDEN, 2>(
+        QP + 2 * KP, xs,
+        [&](u32 u, const char* (&rows)[2]) {
+            const Unit n = unit(u);
+            if (n.which == 0) {
+                rows[0] = wq.row(n.r0);
+                rows[1] = wq.row(n.r1);
+            } else if (n.which == 1) {
+                rows[0] = wk.row(n.r0);
+                rows[1] = wk.row(n.r1);
             } else {
-                kv_append(vl, pos, r0, o[0] + bv.elem(r0));
-                kv_append(vl, pos, r1, o[1] + bv.elem(r1));
+                rows[0] = wv.row(n.r0);
+                rows[1] = wv.row(n.r1);
             }
-        }
-    }
+        },
+        [&](u32 u) {
+            // Lane 0's epilogue inputs: the unit's two biases, then the
+            // rotary (cos, sin) for q and k; zeros elsewhere.
+            float4 e = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if ((threadIdx.x & 31) == 0) {
+                const Unit n = unit(u);
+                if (n.which == 2) {
+                    e.x = bv.elem(n.r0);
+                    e.y = bv.elem(n.r1);
+                } else {
+                    const float2 cs = rotary_cs(p, pos, n.i);
+                    e.x = n.which == 0 ? bq.elem(n.r0) : bk.elem(n.r0);
+                    e.y = n.which == 0 ? bq.elem(n.r1) : bk.elem(n.r1);
+                    e.z = cs.x;
+                    e.w = cs.y;
+                }
+            }
+            return e;
+        },
+        [&](u32 u, const float (&o)[2], float4 e) {
+            if ((threadIdx.x & 31) != 0) return;
+            const Unit n = unit(u);
+            float lo = o[0] + e.x, hi = o[1] + e.y;
+            if (n.which == 2) {
+                kv_append(vl, pos, n.r0, lo);
+                kv_append(vl, pos, n.r1, hi);
+                return;
+            }
+            rotate(make_float2(e.z, e.w), lo, hi);
+            if (n.which == 0) {
+                q[n.r0] = lo;
+                q[n.r1] = hi;
+            } else {
+                kv_append(kl, pos, n.r0, lo);
+                kv_append(kl, pos, n.r1, hi);
+            }
+        });
 }
 
 }  // namespace qmk
