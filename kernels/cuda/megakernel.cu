@@ -119,7 +119,7 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
         if (!(skip & 16u)) mlp_down(p, layer, xs);
         if (!bar.sync(p, kPhaseDown, layer)) return;
     }
-    if (!(skip & 32u)) lm_head<kDecodeNormBatch>(p, xs, red);
+    if (!(skip & 32u)) lm_head<kDecodeNormBatch, true>(p, xs, red);
     if (!bar.sync(p, kPhaseLmHead, QMK_LAYERS)) return;
     if (blockIdx.x == 0) {
         const u32 pick = argmax(p);

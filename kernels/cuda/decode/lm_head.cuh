@@ -6,8 +6,9 @@
 
 namespace qmk {
 
-// RB: the final norm's load batch (rms_norm).
-template <int RB>
+// RB: the final norm's load batch (rms_norm). PAIR: whether short rows go
+// two at a time (below); the prefill kernel, at its register cap, keeps one.
+template <int RB, bool PAIR>
 __device__ __forceinline__ void lm_head(const Params& p, float* xs, float* red) {
     const float* x = reinterpret_cast<const float*>(p.x);       // [H] f32
     const char* nw = reinterpret_cast<const char*>(p.norm[0]);  // [H] bf16
@@ -18,16 +19,33 @@ __device__ __forceinline__ void lm_head(const Params& p, float* xs, float* red) 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float best = -QMK_INF;
     u32 besti = 0xffffffffu;
-    // Rows ascend within a warp, so a strict '>' keeps the lowest index on ties.
-    for (u32 r = blockIdx.x * QMK_WARPS + warp; r < QMK_VOCAB; r += nwt) {
+    const auto take = [&](u32 r, float o) {
+        if (lane == 0) logits[r] = o;
+        if (o > best) {
+            best = o;
+            besti = r;
+        }
+    };
+    // Short rows (4 vectors per lane or fewer) go two at a time, rows r and
+    // r + nwt, so that a warp keeps as many bytes in flight as a longer row
+    // would. Rows still ascend within a warp, so a strict '>' keeps the
+    // lowest index on ties.
+    constexpr bool kTwoRows = PAIR && (QMK_HIDDEN / 8 + 31) / 32 <= 4;
+    u32 r = blockIdx.x * QMK_WARPS + warp;
+    if (kTwoRows) {
+        for (; r + nwt < QMK_VOCAB; r += 2 * nwt) {
+            const char* rows[2] = {table_row(p.lm_head[0], r), table_row(p.lm_head[0], r + nwt)};
+            float o[2];
+            warp_dot_rows<(int)QMK_HIDDEN, 2>(rows, xs, o);
+            take(r, o[0]);
+            take(r + nwt, o[1]);
+        }
+    }
+    for (; r < QMK_VOCAB; r += nwt) {
         const char* rows[1] = {table_row(p.lm_head[0], r)};
         float o[1];
         warp_dot_rows<(int)QMK_HIDDEN, 1>(rows, xs, o);
-        if (lane == 0) logits[r] = o[0];
-        if (o[0] > best) {
-            best = o[0];
-            besti = r;
-        }
+        take(r, o[0]);
     }
     __shared__ float s_val[QMK_WARPS];
     __shared__ u32 s_idx[QMK_WARPS];

@@ -118,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
                                                                kPhasePfDown);
         if (!bar.sync(p, kPhasePfDown, layer)) return;
     }
-    if (!(skip & 32u)) lm_head<1>(p, xs, red);
+    if (!(skip & 32u)) lm_head<1, false>(p, xs, red);
     if (!bar.sync(p, kPhaseLmHead, QMK_LAYERS)) return;
     if (blockIdx.x == 0) {
         const u32 pick = argmax(p);
