@@ -30,7 +30,7 @@ __device__ __forceinline__ void lm_head(const Params& p, float* xs, float* red) 
     // r + nwt, so that a warp keeps as many bytes in flight as a longer row
     // would. Rows still ascend within a warp, so a strict '>' keeps the
     // lowest index on ties.
-    constexpr bool kTwoRows = PAIR && (QMK_HIDDEN / 8 + 31) / 32 <= 4;
+    constexpr bool kTwoRows = PAIR && lane_vectors((int)QMK_HIDDEN) <= 4;
     u32 r = blockIdx.x * QMK_WARPS + warp;
     if (kTwoRows) {
         for (; r + nwt < QMK_VOCAB; r += 2 * nwt) {

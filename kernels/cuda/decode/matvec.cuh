@@ -6,6 +6,9 @@
 
 namespace qmk {
 
+// 16-byte vectors per lane in a bf16 row of K elements.
+constexpr int lane_vectors(int K) { return (K / 8 + 31) / 32; }
+
 template <int K, int NR>
 __device__ __forceinline__ void warp_dot_rows(const char* const (&rows)[NR],
                                               const float* __restrict__ xs, float (&out)[NR]) {
@@ -16,7 +19,7 @@ __device__ __forceinline__ void warp_dot_rows(const char* const (&rows)[NR],
     // else 8, or 4 with two rows. The order of the sums is i ascending
     // for every U, so U changes no bit.
     constexpr int kWholeRow = 20;
-    constexpr int PL = (NV + 31) / 32;     // vectors per lane per row
+    constexpr int PL = lane_vectors(K);
     constexpr int U = NR == 1 ? (PL <= kWholeRow ? PL : 8) : 4;
     const int lane = threadIdx.x & 31;
     const float4* xs4 = reinterpret_cast<const float4*>(xs);
