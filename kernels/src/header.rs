@@ -29,6 +29,45 @@ pub fn attn_ring(arch: crate::Arch) -> u64 {
     }
 }
 
+/// 16-byte vectors per lane per row in one batch of the decode dot product
+/// (`qmk::batch_vectors`): a whole one-row unit up to 20 per lane, else 8;
+/// 4 for row pairs.
+pub fn batch_vectors(k: u64, rows: u64) -> u64 {
+    let per_lane = (k / 8).div_ceil(32);
+    match rows {
+        1 if per_lane <= 20 => per_lane,
+        1 => 8,
+        _ => 4,
+    }
+}
+
+/// Longest row, in 16-byte vectors per lane, whose phase stages its first
+/// rows (`qmk::kStageVectors`).
+pub const STAGE_VECTORS: u64 = 4;
+
+/// Shared memory, floats, that the decode weight phases need to stage their
+/// first rows before their prologues (`stage_first_unit` and
+/// `stage_norm_weight` in kernels/cuda/decode): the phase's activation
+/// vector (128-byte rounded), the norm weight [H] bf16 where the prologue is
+/// a norm, and each warp's first batch ([warps, rows, batch, 32] 16-byte
+/// vectors); 0 for a phase whose rows are too long to stage. In order
+/// q/k/v, o_proj, gate/up, down; `h`, `q`, `i`: hidden, q and intermediate
+/// sizes.
+pub fn decode_stage_floats(h: u64, q: u64, i: u64) -> [u64; 4] {
+    let round = |n: u64| n.div_ceil(32) * 32;
+    // Only short rows stage (`qmk::kStageVectors`).
+    let short = |k: u64| (k / 8).div_ceil(32) <= STAGE_VECTORS;
+    let stage = |k: u64, rows: u64| WARPS_PER_CTA * rows * batch_vectors(k, rows) * 32 * 4;
+    let normed = if short(h) {
+        round(h) + round(h / 2) + stage(h, 2)
+    } else {
+        0
+    };
+    let o_proj = if short(q) { round(q) + stage(q, 1) } else { 0 };
+    let down = if short(i) { round(i) + stage(i, 1) } else { 0 };
+    [normed, o_proj, normed, down]
+}
+
 /// Everything that goes into compiling the megakernel for one model.
 #[derive(Debug, Clone)]
 pub struct KernelBuild {
@@ -47,6 +86,12 @@ pub struct KernelBuild {
     /// ring depth: `(8 slots, 16 slots)` ([`attn_ring`]); the arch picks
     /// ([`KernelBuild::smem_for`]).
     pub smem_floats: (u64, u64),
+    /// Dynamic shared memory, floats, that each decode weight phase (q/k/v,
+    /// o_proj, gate/up, down) needs to stage its warps' first rows (and a
+    /// norm weight) before its prologue ([`decode_stage_floats`]); a phase
+    /// stages on an arch only where this fits, and the kernel decides the
+    /// same way from the `QMK_SMEM_FLOATS` it gets.
+    pub stage_floats: [u64; 4],
     /// Grid barriers per decode step.
     pub barriers_per_step: u32,
     /// Dynamic shared memory per CTA of the prefill kernel, bytes.
@@ -64,12 +109,20 @@ impl KernelBuild {
     /// Dynamic shared memory per CTA of the decode kernel as compiled for
     /// `arch`, bytes.
     pub fn smem_for(&self, arch: crate::Arch) -> u32 {
-        let f = if attn_ring(arch) == 16 {
+        let base = if attn_ring(arch) == 16 {
             self.smem_floats.1
         } else {
             self.smem_floats.0
         };
-        // Checked when the build was made (both fit u32 as bytes).
+        let cap = u64::from(arch.max_smem_per_cta()) / 4;
+        let f = self
+            .stage_floats
+            .iter()
+            .copied()
+            .filter(|&n| n <= cap)
+            .fold(base, u64::max);
+        // Checked when the build was made (base fits u32 as bytes; a staged
+        // phase fits the arch).
         (f * 4) as u32
     }
 
@@ -324,6 +377,7 @@ impl KernelBuild {
             params_check,
             fingerprint,
             smem_floats,
+            stage_floats: decode_stage_floats(h, q, i),
             barriers_per_step: barriers as u32,
             prefill_smem_bytes: u32::try_from(pf_smem).map_err(|_| KernelsError::Config {
                 field: "hidden_size",
@@ -411,6 +465,31 @@ mod tests {
                     "{preset} {arch}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn short_rows_stage_their_first_batch() {
+        use crate::Arch;
+        // 0.5B: hidden 896 and q 896 are 4 vectors per lane; the
+        // intermediate 4,864 is 19 and does not stage. q/k/v and gate/up:
+        // the vector, the norm weight [896] bf16 and 16 warps x 2 rows x 4
+        // vectors x 32 lanes x 16 bytes; o_proj one row of 4 per warp.
+        let b = KernelBuild::new(&Config::preset("0.5b").unwrap()).unwrap();
+        let normed = 896 + 448 + 16 * 2 * 4 * 32 * 4;
+        assert_eq!(b.stage_floats, [normed, 896 + 16 * 4 * 32 * 4, normed, 0]);
+        assert_eq!(batch_vectors(4_864, 1), 19);
+        assert_eq!(batch_vectors(18_944, 1), 8);
+        assert_eq!(batch_vectors(896, 2), 4);
+        // Where the split attention's ring takes more, the stage changes
+        // nothing; on sm_89 it sets the size.
+        assert_eq!(b.smem_for(Arch::SM90), b.smem_floats.1 as u32 * 4);
+        assert!(b.smem_floats.0 < normed);
+        assert_eq!(b.smem_for(Arch::SM89), normed as u32 * 4);
+        // From 7B on every row is longer than 4 vectors per lane.
+        for preset in ["7b", "14b", "32b", "72b"] {
+            let b = KernelBuild::new(&Config::preset(preset).unwrap()).unwrap();
+            assert_eq!(b.stage_floats, [0; 4], "{preset}");
         }
     }
 }

@@ -41,6 +41,10 @@
 #               replaces the rows, AB_ROUNDS (default 2) the rounds; variant
 #               binaries put at $CARRY/alt-NAME.xz here (xz of a qwen-mk
 #               build) join them
+#   table       qwen-mk bench on every row of the decode table, this build
+#               only, both drivers: 0.5B / 7B / 14B / 32B (216 positions),
+#               72B, 0.5B at 8,192 and 7B at 8,192 and 32,768;
+#               TABLE_ROWS="name=bench args;..." replaces the rows
 #   profile     qwen-mk bench --profile at 0.5B, 7B and 14B: the phase-skip
 #               variants and the step timeline per op (critical path, mean
 #               CTA busy time, barriers); PROFILE_ROWS="name=bench args;..."
@@ -277,6 +281,12 @@ for step in $STEPS; do
             bench "ab$r-$v-${row%%=*}" $v ${row#*=}
           done
         done
+      done ;;
+    table)
+      IFS=';' read -ra rows <<< "${TABLE_ROWS:-0.5b=--preset 0.5b;0.5b-cust=--preset 0.5b --backend cust;7b=--preset 7b;7b-cust=--preset 7b --backend cust;14b=--preset 14b;14b-cust=--preset 14b --backend cust;32b=--preset 32b;32b-cust=--preset 32b --backend cust;72b=--preset 72b;72b-cust=--preset 72b --backend cust;0.5b-8k=--preset 0.5b --context 8192;0.5b-8k-cust=--preset 0.5b --context 8192 --backend cust;7b-long=--preset 7b --context 8192,32768;7b-long-cust=--preset 7b --context 8192,32768 --backend cust}"
+      for row in "${rows[@]}"; do
+        # shellcheck disable=SC2086
+        bench "table-${row%%=*}" qwen-mk ${row#*=}
       done ;;
     profile)
       IFS=';' read -ra rows <<< "${PROFILE_ROWS:-0.5b=--preset 0.5b;7b=--preset 7b;14b=--preset 14b}"

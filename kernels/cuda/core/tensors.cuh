@@ -102,10 +102,12 @@ struct LayerView {
         return base + offset3(li, (koff_t)n, 0, (koff_t)(T::kStride0 * 2u),
                               (koff_t)(T::kStride1 * 2u), 2u);
     }
-    // Element n of a rank-2 tensor [L, N] (norm weights, biases).
-    __device__ __forceinline__ float elem(u32 n) const {
-        return ld_bf16(base + offset3(li, 0, (koff_t)n, (koff_t)(T::kStride0 * 2u), 0, 2u));
+    // Address of element n of a rank-2 tensor [L, N] (norm weights, biases).
+    __device__ __forceinline__ const char* at(u32 n) const {
+        return base + offset3(li, 0, (koff_t)n, (koff_t)(T::kStride0 * 2u), 0, 2u);
     }
+    // Element n of a rank-2 tensor [L, N].
+    __device__ __forceinline__ float elem(u32 n) const { return ld_bf16(at(n)); }
 };
 
 // Non-stacked [V, H] tables (embedding, LM head) and the final norm [H]: one

@@ -9,25 +9,70 @@ namespace qmk {
 // 16-byte vectors per lane in a bf16 row of K elements.
 constexpr int lane_vectors(int K) { return (K / 8 + 31) / 32; }
 
+// Vectors per lane per row in flight in warp_dot_rows (one batch): a
+// one-row unit whose row takes at most 20 per lane loads it all at once
+// (one DRAM round trip); else 8, or 4 with two rows. The order of the sums
+// is ascending for every batch size, so it changes no bit.
 template <int K, int NR>
+constexpr int batch_vectors() {
+    return NR == 1 ? (lane_vectors(K) <= 20 ? lane_vectors(K) : 8) : 4;
+}
+
+// Shared memory one CTA's warps need to stage the first batch of their
+// first unit ([QMK_WARPS][NR][U][32] 16-byte vectors), floats.
+template <int K, int NR>
+constexpr u32 stage_floats() {
+    return (u32)QMK_WARPS * NR * batch_vectors<K, NR>() * 32u * 4u;
+}
+
+// Where a phase's stage starts after its activation vector of n floats:
+// 128-byte aligned.
+constexpr u32 stage_offset(u32 n) { return (n + 31u) / 32u * 32u; }
+
+// Whether a phase of NR-row units [K] stages its first rows after `front`
+// floats of shared memory (its activation vector, and a norm weight):
+// only short rows (a unit is one batch of at most kStageVectors per lane
+// per row), whose phases wait on latency rather than bytes; longer rows
+// ran slower staged (their copies go through cp.async), and only where
+// the stage fits QMK_SMEM_FLOATS, which the host sizes by the same rule.
+constexpr int kStageVectors = 4;
+template <int K, int NR>
+constexpr bool stages_after(u32 front) {
+    return lane_vectors(K) <= kStageVectors && stage_offset(front) + stage_floats<K, NR>() <= QMK_SMEM_FLOATS;
+}
+
+// rows[NR] . xs for one warp. STAGED: the first batch comes from `staged`,
+// this warp's slot of a stage that stage_first_unit filled from the same
+// rows; a lane reads only the vectors it copied itself, after waiting for
+// its own copies.
+template <int K, int NR, bool STAGED = false>
 __device__ __forceinline__ void warp_dot_rows(const char* const (&rows)[NR],
-                                              const float* __restrict__ xs, float (&out)[NR]) {
+                                              const float* __restrict__ xs, float (&out)[NR],
+                                              const uint4* staged = nullptr) {
     static_assert(K % 8 == 0, "rows must be whole 16-byte vectors");
     constexpr int NV = K / 8;              // 16-byte vectors per row
-    // Vectors per lane per row in flight: a one-row unit whose row takes at
-    // most kWholeRow per lane loads it all at once (one DRAM round trip);
-    // else 8, or 4 with two rows. The order of the sums is i ascending
-    // for every U, so U changes no bit.
-    constexpr int kWholeRow = 20;
-    constexpr int PL = lane_vectors(K);
-    constexpr int U = NR == 1 ? (PL <= kWholeRow ? PL : 8) : 4;
+    constexpr int U = batch_vectors<K, NR>();
     const int lane = threadIdx.x & 31;
     const float4* xs4 = reinterpret_cast<const float4*>(xs);
     float acc[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
+    constexpr int first = STAGED ? 32 * U : 0;
+    if constexpr (STAGED) {
+        // Shared memory is close: each vector is read at its FMA, none held.
+        cp_async_wait<0>();
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = u * 32 + lane;
+            if (i < NV) {
+                const float4 a = xs4[2 * i], b = xs4[2 * i + 1];
+#pragma unroll
+                for (int r = 0; r < NR; ++r) acc[r] = dot8(staged[(r * U + u) * 32 + lane], a, b, acc[r]);
+            }
+        }
+    }
 #pragma unroll 1
-    for (int base = 0; base < NV; base += 32 * U) {
+    for (int base = first; base < NV; base += 32 * U) {
         uint4 w[NR][U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -69,15 +114,59 @@ __device__ __forceinline__ u32 unit_at(u32 units, u32 k) {
     return k * nwt + (tail ? warp * gridDim.x + blockIdx.x : blockIdx.x * QMK_WARPS + warp);
 }
 
+// The first batch of this warp's first unit, copied into its slot of
+// `stage` by cp.async before the phase's prologue: the rows do not depend
+// on the prologue, so their DRAM round trip runs beside it instead of after
+// it, and the copies hold no registers across it. One commit group.
+template <int K, int NR, class RowsOf>
+__device__ __forceinline__ void stage_first_unit(u32 units, RowsOf rows_of, float* stage) {
+    constexpr int NV = K / 8, U = batch_vectors<K, NR>();
+    const u32 u = unit_at(units, 0);
+    if (u < units) {
+        const char* rows[NR];
+        rows_of(u, rows);
+        const int lane = threadIdx.x & 31;
+        const u32 slot = smem_u32(stage) + (threadIdx.x >> 5) * (u32)(NR * U * 32 * 16);
+#pragma unroll
+        for (int v = 0; v < U; ++v)
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+                const int i = v * 32 + lane;
+                if (i < NV)
+                    cp_async16(slot + (u32)(((r * U + v) * 32 + lane) * 16), rows[r] + (size_t)i * 16,
+                               16);
+            }
+    }
+    cp_async_commit();  // also when empty: callers count groups
+}
+
 // A weight phase of `units` units of NR rows [K] each, after its prologue
 // has filled xs: each unit u of this warp gets rows_of(u, rows), then
 // e = early(u), the dot products with xs, and epilogue(u, out, e). early
 // loads what the epilogue adds (a residual, a bias) before the weight rows,
 // so its round trip overlaps theirs instead of following the warp's sum.
-template <int K, int NR, class RowsOf, class Early, class Epilogue>
+// STAGED: stage_first_unit has filled `stage` with this phase's units and
+// rows_of before the prologue.
+template <int K, int NR, bool STAGED = false, class RowsOf, class Early, class Epilogue>
 __device__ __forceinline__ void weight_phase(u32 units, const float* __restrict__ xs,
-                                             RowsOf rows_of, Early early, Epilogue epilogue) {
-    for (u32 k = 0, u; (u = unit_at(units, k)) < units; ++k) {
+                                             RowsOf rows_of, Early early, Epilogue epilogue,
+                                             float* stage = nullptr) {
+    u32 k0 = 0;
+    if constexpr (STAGED) {
+        const u32 u = unit_at(units, 0);
+        if (u < units) {
+            const char* rows[NR];
+            rows_of(u, rows);
+            const auto e = early(u);
+            float o[NR];
+            const uint4* slot = reinterpret_cast<const uint4*>(stage) +
+                                (threadIdx.x >> 5) * (NR * batch_vectors<K, NR>() * 32);
+            warp_dot_rows<K, NR, true>(rows, xs, o, slot);
+            epilogue(u, o, e);
+        }
+        k0 = 1;
+    }
+    for (u32 k = k0, u; (u = unit_at(units, k)) < units; ++k) {
         const char* rows[NR];
         rows_of(u, rows);
         const auto e = early(u);

@@ -11,35 +11,49 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 __device__ __forceinline__ void mlp_gate_up(const Params& p, u32 layer, float* xs, float* red) {
     const LayerView<post_attention_layernorm_t> ln(p.post_attention_layernorm, layer);
     const float* x = reinterpret_cast<const float*>(p.x);  // [H] f32
-    rms_norm<kDecodeNormBatch>([&](u32 i) { return x[i]; }, [&](u32 i) { return ln.elem(i); },
-                               p.rms_norm_eps, xs, red);
     const LayerView<gate_proj_t> wg(p.gate_proj, layer);
     const LayerView<up_proj_t> wu(p.up_proj, layer);
+    const auto rows_of = [&](u32 r, const char* (&rows)[2]) {
+        rows[0] = wg.row(r);
+        rows[1] = wu.row(r);
+    };
+    // As in qkv_proj: the norm weight and the first rows go out first.
+    constexpr bool kStage = stages_after<(int)QMK_HIDDEN, 2>(kNormedFront);
+    float* gs = xs + stage_offset(QMK_HIDDEN);  // [H] bf16 norm weight
+    float* ws = xs + stage_offset(kNormedFront);  // [WARPS, 2, U, 32] 16-byte vectors
+    if constexpr (kStage) {
+        stage_norm_weight(ln.at(0), gs);
+        stage_first_unit<(int)QMK_HIDDEN, 2>(QMK_INTER, rows_of, ws);
+    }
+    rms_norm<kDecodeNormBatch, kStage>(
+        [&](u32 i) { return x[i]; }, [&](u32 i) { return kStage ? staged_norm_elem(gs, i) : ln.elem(i); },
+        p.rms_norm_eps, xs, red);
     float* h = reinterpret_cast<float*>(p.mlp_h);  // [I] f32
-    weight_phase<(int)QMK_HIDDEN, 2>(
-        QMK_INTER, xs,
-        [&](u32 r, const char* (&rows)[2]) {
-            rows[0] = wg.row(r);
-            rows[1] = wu.row(r);
-        },
-        [](u32) { return 0; },
+    weight_phase<(int)QMK_HIDDEN, 2, kStage>(
+        QMK_INTER, xs, rows_of, [](u32) { return 0; },
         [&](u32 r, const float (&o)[2], int) {
             if ((threadIdx.x & 31) == 0) h[r] = silu(o[0]) * o[1];
-        });
+        },
+        ws);
 }
 
 __device__ __forceinline__ void mlp_down(const Params& p, u32 layer, float* xs) {
+    const LayerView<down_proj_t> w(p.down_proj, layer);
+    const auto rows_of = [&](u32 r, const char* (&rows)[1]) { rows[0] = w.row(r); };
+    // This warp's first rows go out before the copy (stage_first_unit).
+    constexpr bool kStage = stages_after<(int)QMK_INTER, 1>(QMK_INTER);
+    float* ws = xs + stage_offset(QMK_INTER);  // [WARPS, U, 32] 16-byte vectors
+    if constexpr (kStage) stage_first_unit<(int)QMK_INTER, 1>(QMK_HIDDEN, rows_of, ws);
     load_vec_to_smem<(int)QMK_INTER>(reinterpret_cast<const float*>(p.mlp_h), xs);
     __syncthreads();
-    const LayerView<down_proj_t> w(p.down_proj, layer);
     float* x = reinterpret_cast<float*>(p.x);  // [H] f32
     const bool lane0 = (threadIdx.x & 31) == 0;
-    weight_phase<(int)QMK_INTER, 1>(
-        QMK_HIDDEN, xs, [&](u32 r, const char* (&rows)[1]) { rows[0] = w.row(r); },
-        [&](u32 r) { return lane0 ? x[r] : 0.0f; },
+    weight_phase<(int)QMK_INTER, 1, kStage>(
+        QMK_HIDDEN, xs, rows_of, [&](u32 r) { return lane0 ? x[r] : 0.0f; },
         [&](u32 r, const float (&o)[1], float res) {
             if (lane0) x[r] = res + o[0];
-        });
+        },
+        ws);
 }
 
 }  // namespace qmk

@@ -6,17 +6,22 @@
 namespace qmk {
 
 __device__ __forceinline__ void o_proj(const Params& p, u32 layer, u32 token, float* xs) {
+    const LayerView<o_proj_t> w(p.o_proj, layer);
+    const auto rows_of = [&](u32 r, const char* (&rows)[1]) { rows[0] = w.row(r); };
+    // This warp's first rows go out before the copy (stage_first_unit).
+    constexpr bool kStage = stages_after<(int)QMK_Q_DIM, 1>(QMK_Q_DIM);
+    float* ws = xs + stage_offset(QMK_Q_DIM);  // [WARPS, U, 32] 16-byte vectors
+    if constexpr (kStage) stage_first_unit<(int)QMK_Q_DIM, 1>(QMK_HIDDEN, rows_of, ws);
     load_vec_to_smem<(int)QMK_Q_DIM>(reinterpret_cast<const float*>(p.attn), xs);
     __syncthreads();
-    const LayerView<o_proj_t> w(p.o_proj, layer);
     float* x = reinterpret_cast<float*>(p.x);  // [H] f32
     const bool lane0 = (threadIdx.x & 31) == 0;
-    weight_phase<(int)QMK_Q_DIM, 1>(
-        QMK_HIDDEN, xs, [&](u32 r, const char* (&rows)[1]) { rows[0] = w.row(r); },
-        [&](u32 r) { return lane0 ? residual(p, layer, token, r) : 0.0f; },
+    weight_phase<(int)QMK_Q_DIM, 1, kStage>(
+        QMK_HIDDEN, xs, rows_of, [&](u32 r) { return lane0 ? residual(p, layer, token, r) : 0.0f; },
         [&](u32 r, const float (&o)[1], float res) {
             if (lane0) x[r] = res + o[0];
-        });
+        },
+        ws);
 }
 
 }  // namespace qmk

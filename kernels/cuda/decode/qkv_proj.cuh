@@ -13,9 +13,6 @@ __device__ __forceinline__ void qkv_proj(const Params& p, u32 layer, u32 token, 
     constexpr u32 D = QMK_HEAD_DIM, HALF = D / 2;
     constexpr u32 QP = QMK_Q_DIM / 2, KP = QMK_KV_DIM / 2;
     const LayerView<input_layernorm_t> ln(p.input_layernorm, layer);
-    rms_norm<kDecodeNormBatch>([&](u32 i) { return residual(p, layer, token, i); },
-                               [&](u32 i) { return ln.elem(i); }, p.rms_norm_eps, xs, red);
-
     const LayerView<q_proj_t> wq(p.q_proj, layer);
     const LayerView<k_proj_t> wk(p.k_proj, layer);
     const LayerView<v_proj_t> wv(p.v_proj, layer);
@@ -37,21 +34,34 @@ __device__ __forceinline__ void qkv_proj(const Params& p, u32 layer, u32 token, 
         const u32 r0 = (uu / HALF) * D + i;
         return Unit{which, i, r0, r0 + HALF};
     };
-    weight_phase<(int)QMK_HIDDEN, 2>(
-        QP + 2 * KP, xs,
-        [&](u32 u, const char* (&rows)[2]) {
-            const Unit n = unit(u);
-            if (n.which == 0) {
-                rows[0] = wq.row(n.r0);
-                rows[1] = wq.row(n.r1);
-            } else if (n.which == 1) {
-                rows[0] = wk.row(n.r0);
-                rows[1] = wk.row(n.r1);
-            } else {
-                rows[0] = wv.row(n.r0);
-                rows[1] = wv.row(n.r1);
-            }
-        },
+    const auto rows_of = [&](u32 u, const char* (&rows)[2]) {
+        const Unit n = unit(u);
+        if (n.which == 0) {
+            rows[0] = wq.row(n.r0);
+            rows[1] = wq.row(n.r1);
+        } else if (n.which == 1) {
+            rows[0] = wk.row(n.r0);
+            rows[1] = wk.row(n.r1);
+        } else {
+            rows[0] = wv.row(n.r0);
+            rows[1] = wv.row(n.r1);
+        }
+    };
+    // The norm weight and this warp's first rows go out before the norm
+    // (stage_first_unit) where shared memory holds them.
+    constexpr u32 kUnits = QP + 2 * KP;
+    constexpr bool kStage = stages_after<(int)QMK_HIDDEN, 2>(kNormedFront);
+    float* gs = xs + stage_offset(QMK_HIDDEN);  // [H] bf16 norm weight
+    float* ws = xs + stage_offset(kNormedFront);  // [WARPS, 2, U, 32] 16-byte vectors
+    if constexpr (kStage) {
+        stage_norm_weight(ln.at(0), gs);
+        stage_first_unit<(int)QMK_HIDDEN, 2>(kUnits, rows_of, ws);
+    }
+    rms_norm<kDecodeNormBatch, kStage>(
+        [&](u32 i) { return residual(p, layer, token, i); },
+        [&](u32 i) { return kStage ? staged_norm_elem(gs, i) : ln.elem(i); }, p.rms_norm_eps, xs, red);
+    weight_phase<(int)QMK_HIDDEN, 2, kStage>(
+        kUnits, xs, rows_of,
         [&](u32 u) {
             // Lane 0's epilogue inputs: the unit's two biases, then the
             // rotary (cos, sin) for q and k; zeros elsewhere.
@@ -88,7 +98,8 @@ __device__ __forceinline__ void qkv_proj(const Params& p, u32 layer, u32 token, 
                 kv_append(kl, pos, n.r0, lo);
                 kv_append(kl, pos, n.r1, hi);
             }
-        });
+        },
+        ws);
 }
 
 }  // namespace qmk

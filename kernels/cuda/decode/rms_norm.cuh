@@ -18,7 +18,11 @@ constexpr int kDecodeNormBatch = 4;
 // the plain loop: the prefill kernel, whose GEMMs run at the register cap,
 // runs its one final norm per chunk that way, which leaves its register
 // allocation as it was. Every RB sums in the same order.
-template <int RB, class Src, class W>
+//
+// STAGED_W: w reads shared memory that stage_norm_weight filled; every
+// thread waits for its copies (all its cp.async groups but the newest, the
+// weight stage's) before the reduction's barrier makes them visible.
+template <int RB, bool STAGED_W = false, class Src, class W>
 __device__ __forceinline__ void rms_norm(Src src, W w, float eps, float* xs, float* red) {
     constexpr int PER = (QMK_HIDDEN + QMK_THREADS - 1) / QMK_THREADS;  // elements per thread
     const int t = (int)threadIdx.x;
@@ -48,6 +52,7 @@ __device__ __forceinline__ void rms_norm(Src src, W w, float eps, float* xs, flo
             }
         }
     }
+    if constexpr (STAGED_W) cp_async_wait<1>();
     const float total = block_sum(ss, red);
     const float inv = 1.0f / sqrtf(total / (float)QMK_HIDDEN + eps);
     if constexpr (RB == 1) {
@@ -69,6 +74,25 @@ __device__ __forceinline__ void rms_norm(Src src, W w, float eps, float* xs, flo
         }
     }
     __syncthreads();
+}
+
+// Floats of shared memory in front of a normed phase's weight stage: the
+// normed vector [H] f32 (128-byte rounded), then the norm weight [H] bf16.
+constexpr u32 kNormedFront = stage_offset(QMK_HIDDEN) + QMK_HIDDEN / 2;
+
+// Copies a norm weight [H] bf16 (16-byte aligned) into shared memory with
+// cp.async, one commit group: its L2 round trip then runs beside the
+// residual's instead of after the reduction.
+__device__ __forceinline__ void stage_norm_weight(const char* w, float* dst) {
+    static_assert(QMK_HIDDEN % 8 == 0, "the norm weight goes in 16-byte vectors");
+    const u32 d = smem_u32(dst);
+    for (u32 i = threadIdx.x; i < QMK_HIDDEN / 8; i += QMK_THREADS) cp_async16(d + i * 16, w + i * 16, 16);
+    cp_async_commit();
+}
+
+// Element i of a norm weight staged by stage_norm_weight.
+__device__ __forceinline__ float staged_norm_elem(const float* src, u32 i) {
+    return bf16_bits_to_f32(reinterpret_cast<const u16*>(src)[i]);
 }
 
 }  // namespace qmk
