@@ -17,17 +17,9 @@ __device__ __forceinline__ void mlp_gate_up(const Params& p, u32 layer, float* x
         rows[0] = wg.row(r);
         rows[1] = wu.row(r);
     };
-    // As in qkv_proj: the norm weight and the first rows go out first.
-    constexpr bool kStage = stages_after<(int)QMK_HIDDEN, 2>(kNormedFront);
-    float* gs = xs + stage_offset(QMK_HIDDEN);  // [H] bf16 norm weight
-    float* ws = xs + stage_offset(kNormedFront);  // [WARPS, 2, U, 32] 16-byte vectors
-    if constexpr (kStage) {
-        stage_norm_weight(ln.at(0), gs);
-        stage_first_unit<(int)QMK_HIDDEN, 2>(QMK_INTER, rows_of, ws);
-    }
-    rms_norm<kDecodeNormBatch, kStage>(
-        [&](u32 i) { return x[i]; }, [&](u32 i) { return kStage ? staged_norm_elem(gs, i) : ln.elem(i); },
-        p.rms_norm_eps, xs, red);
+    constexpr bool kStage = normed_stages<2>();
+    float* ws = normed_prologue<2, kStage>([&](u32 i) { return x[i]; }, ln, QMK_INTER, rows_of,
+                                           p.rms_norm_eps, xs, red);
     float* h = reinterpret_cast<float*>(p.mlp_h);  // [I] f32
     weight_phase<(int)QMK_HIDDEN, 2, kStage>(
         QMK_INTER, xs, rows_of, [](u32) { return 0; },

@@ -47,19 +47,10 @@ __device__ __forceinline__ void qkv_proj(const Params& p, u32 layer, u32 token, 
             rows[1] = wv.row(n.r1);
         }
     };
-    // The norm weight and this warp's first rows go out before the norm
-    // (stage_first_unit) where shared memory holds them.
     constexpr u32 kUnits = QP + 2 * KP;
-    constexpr bool kStage = stages_after<(int)QMK_HIDDEN, 2>(kNormedFront);
-    float* gs = xs + stage_offset(QMK_HIDDEN);  // [H] bf16 norm weight
-    float* ws = xs + stage_offset(kNormedFront);  // [WARPS, 2, U, 32] 16-byte vectors
-    if constexpr (kStage) {
-        stage_norm_weight(ln.at(0), gs);
-        stage_first_unit<(int)QMK_HIDDEN, 2>(kUnits, rows_of, ws);
-    }
-    rms_norm<kDecodeNormBatch, kStage>(
-        [&](u32 i) { return residual(p, layer, token, i); },
-        [&](u32 i) { return kStage ? staged_norm_elem(gs, i) : ln.elem(i); }, p.rms_norm_eps, xs, red);
+    constexpr bool kStage = normed_stages<2>();
+    float* ws = normed_prologue<2, kStage>([&](u32 i) { return residual(p, layer, token, i); }, ln,
+                                           kUnits, rows_of, p.rms_norm_eps, xs, red);
     weight_phase<(int)QMK_HIDDEN, 2, kStage>(
         kUnits, xs, rows_of,
         [&](u32 u) {

@@ -95,4 +95,28 @@ __device__ __forceinline__ float staged_norm_elem(const float* src, u32 i) {
     return bf16_bits_to_f32(reinterpret_cast<const u16*>(src)[i]);
 }
 
+// Whether a normed phase of NR-row units [H] stages its first rows.
+template <int NR>
+constexpr bool normed_stages() {
+    return stages_after<(int)QMK_HIDDEN, NR>(kNormedFront);
+}
+
+// The prologue of a normed weight phase (q/k/v, gate/up): where it stages
+// (STAGE = normed_stages<NR>()), the norm weight `ln` and this warp's first
+// unit of rows_of go out first, then xs = RMSNorm(src) with `ln`. Returns
+// the stage for weight_phase: [WARPS, NR, U, 32] 16-byte vectors.
+template <int NR, bool STAGE, class Src, class Norm, class RowsOf>
+__device__ __forceinline__ float* normed_prologue(Src src, const Norm& ln, u32 units, RowsOf rows_of,
+                                                  float eps, float* xs, float* red) {
+    float* gs = xs + stage_offset(QMK_HIDDEN);    // [H] bf16 norm weight
+    float* ws = xs + stage_offset(kNormedFront);  // [WARPS, NR, U, 32] 16-byte vectors
+    if constexpr (STAGE) {
+        stage_norm_weight(ln.at(0), gs);
+        stage_first_unit<(int)QMK_HIDDEN, NR>(units, rows_of, ws);
+    }
+    rms_norm<kDecodeNormBatch, STAGE>(
+        src, [&](u32 i) { return STAGE ? staged_norm_elem(gs, i) : ln.elem(i); }, eps, xs, red);
+    return ws;
+}
+
 }  // namespace qmk
