@@ -48,8 +48,8 @@ pub const STAGE_VECTORS: u64 = 4;
 /// Shared memory, floats, that the decode weight phases need to stage their
 /// first rows before their prologues (`stage_first_unit` and
 /// `stage_norm_weight` in kernels/cuda/decode): the phase's activation
-/// vector (128-byte rounded), the norm weight [H] bf16 where the prologue is
-/// a norm, and each warp's first batch ([warps, rows, batch, 32] 16-byte
+/// vector (128-byte rounded), the norm weight `[H]` bf16 where the prologue
+/// is a norm, and each warp's first batch (`[warps, rows, batch, 32]` 16-byte
 /// vectors); 0 for a phase whose rows are too long to stage. In order
 /// q/k/v, o_proj, gate/up, down; `h`, `q`, `i`: hidden, q and intermediate
 /// sizes.
