@@ -59,7 +59,8 @@ __device__ __forceinline__ void warp_dot_rows(const char* const (&rows)[NR],
     for (int r = 0; r < NR; ++r) acc[r] = 0.0f;
     constexpr int first = STAGED ? 32 * U : 0;
     if constexpr (STAGED) {
-        // Shared memory is close: each vector is read at its FMA, none held.
+        // Shared memory is close: the batch is read where it is summed, not
+        // loaded into registers ahead of the FMAs like the DRAM batches.
         cp_async_wait<0>();
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -114,6 +115,13 @@ __device__ __forceinline__ u32 unit_at(u32 units, u32 k) {
     return k * nwt + (tail ? warp * gridDim.x + blockIdx.x : blockIdx.x * QMK_WARPS + warp);
 }
 
+// Where this warp's slot starts in a stage, in 16-byte vectors: a slot is
+// [NR, U, 32] vectors, the first batch of the warp's first unit.
+template <int K, int NR>
+__device__ __forceinline__ u32 stage_slot() {
+    return (threadIdx.x >> 5) * (u32)(NR * batch_vectors<K, NR>() * 32);
+}
+
 // The first batch of this warp's first unit, copied into its slot of
 // `stage` by cp.async before the phase's prologue: the rows do not depend
 // on the prologue, so their DRAM round trip runs beside it instead of after
@@ -126,7 +134,7 @@ __device__ __forceinline__ void stage_first_unit(u32 units, RowsOf rows_of, floa
         const char* rows[NR];
         rows_of(u, rows);
         const int lane = threadIdx.x & 31;
-        const u32 slot = smem_u32(stage) + (threadIdx.x >> 5) * (u32)(NR * U * 32 * 16);
+        const u32 slot = smem_u32(stage) + stage_slot<K, NR>() * 16u;
 #pragma unroll
         for (int v = 0; v < U; ++v)
 #pragma unroll
@@ -146,7 +154,9 @@ __device__ __forceinline__ void stage_first_unit(u32 units, RowsOf rows_of, floa
 // loads what the epilogue adds (a residual, a bias) before the weight rows,
 // so its round trip overlaps theirs instead of following the warp's sum.
 // STAGED: stage_first_unit has filled `stage` with this phase's units and
-// rows_of before the prologue.
+// rows_of before the prologue. The staged first unit is its own copy of the
+// loop body: a runtime "first batch from the stage" flag inside the one loop
+// costs registers, and at 0.5B that spilled at the 128-register cap.
 template <int K, int NR, bool STAGED = false, class RowsOf, class Early, class Epilogue>
 __device__ __forceinline__ void weight_phase(u32 units, const float* __restrict__ xs,
                                              RowsOf rows_of, Early early, Epilogue epilogue,
@@ -159,8 +169,7 @@ __device__ __forceinline__ void weight_phase(u32 units, const float* __restrict_
             rows_of(u, rows);
             const auto e = early(u);
             float o[NR];
-            const uint4* slot = reinterpret_cast<const uint4*>(stage) +
-                                (threadIdx.x >> 5) * (NR * batch_vectors<K, NR>() * 32);
+            const uint4* slot = reinterpret_cast<const uint4*>(stage) + stage_slot<K, NR>();
             warp_dot_rows<K, NR, true>(rows, xs, o, slot);
             epilogue(u, o, e);
         }
@@ -209,6 +218,25 @@ __device__ __forceinline__ void load_vec_to_smem(const float* __restrict__ src, 
         }
     }
     for (int i = 4 * NV + t; i < N; i += QMK_THREADS) dst[i] = src[i];
+}
+
+// The prologue of a weight phase whose input is a vector [N] f32 written
+// earlier in the launch (o_proj, down): where it stages (STAGE =
+// copied_stages<N>()), this warp's first unit of rows_of goes out first,
+// then the copy of src into xs. Returns the stage for weight_phase:
+// [WARPS, U, 32] 16-byte vectors.
+template <int N>
+constexpr bool copied_stages() {
+    return stages_after<N, 1>(N);
+}
+template <int N, bool STAGE, class RowsOf>
+__device__ __forceinline__ float* copied_prologue(const float* __restrict__ src, u32 units, RowsOf rows_of,
+                                                  float* xs) {
+    float* ws = xs + stage_offset(N);  // [WARPS, U, 32] 16-byte vectors
+    if constexpr (STAGE) stage_first_unit<N, 1>(units, rows_of, ws);
+    load_vec_to_smem<N>(src, xs);
+    __syncthreads();
+    return ws;
 }
 
 }  // namespace qmk

@@ -32,12 +32,9 @@ __device__ __forceinline__ void mlp_gate_up(const Params& p, u32 layer, float* x
 __device__ __forceinline__ void mlp_down(const Params& p, u32 layer, float* xs) {
     const LayerView<down_proj_t> w(p.down_proj, layer);
     const auto rows_of = [&](u32 r, const char* (&rows)[1]) { rows[0] = w.row(r); };
-    // This warp's first rows go out before the copy (stage_first_unit).
-    constexpr bool kStage = stages_after<(int)QMK_INTER, 1>(QMK_INTER);
-    float* ws = xs + stage_offset(QMK_INTER);  // [WARPS, U, 32] 16-byte vectors
-    if constexpr (kStage) stage_first_unit<(int)QMK_INTER, 1>(QMK_HIDDEN, rows_of, ws);
-    load_vec_to_smem<(int)QMK_INTER>(reinterpret_cast<const float*>(p.mlp_h), xs);
-    __syncthreads();
+    constexpr bool kStage = copied_stages<(int)QMK_INTER>();
+    float* ws = copied_prologue<(int)QMK_INTER, kStage>(reinterpret_cast<const float*>(p.mlp_h),
+                                                        QMK_HIDDEN, rows_of, xs);
     float* x = reinterpret_cast<float*>(p.x);  // [H] f32
     const bool lane0 = (threadIdx.x & 31) == 0;
     weight_phase<(int)QMK_INTER, 1, kStage>(

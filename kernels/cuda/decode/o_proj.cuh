@@ -8,12 +8,9 @@ namespace qmk {
 __device__ __forceinline__ void o_proj(const Params& p, u32 layer, u32 token, float* xs) {
     const LayerView<o_proj_t> w(p.o_proj, layer);
     const auto rows_of = [&](u32 r, const char* (&rows)[1]) { rows[0] = w.row(r); };
-    // This warp's first rows go out before the copy (stage_first_unit).
-    constexpr bool kStage = stages_after<(int)QMK_Q_DIM, 1>(QMK_Q_DIM);
-    float* ws = xs + stage_offset(QMK_Q_DIM);  // [WARPS, U, 32] 16-byte vectors
-    if constexpr (kStage) stage_first_unit<(int)QMK_Q_DIM, 1>(QMK_HIDDEN, rows_of, ws);
-    load_vec_to_smem<(int)QMK_Q_DIM>(reinterpret_cast<const float*>(p.attn), xs);
-    __syncthreads();
+    constexpr bool kStage = copied_stages<(int)QMK_Q_DIM>();
+    float* ws = copied_prologue<(int)QMK_Q_DIM, kStage>(reinterpret_cast<const float*>(p.attn),
+                                                        QMK_HIDDEN, rows_of, xs);
     float* x = reinterpret_cast<float*>(p.x);  // [H] f32
     const bool lane0 = (threadIdx.x & 31) == 0;
     weight_phase<(int)QMK_Q_DIM, 1, kStage>(
