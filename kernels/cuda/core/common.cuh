@@ -41,13 +41,32 @@ __device__ __forceinline__ u16 f32_to_bf16_rne(float f) {
     return (u16)((u + rounding) >> 16);
 }
 
+// L2 eviction priority of a read: `first` marks bytes that are read once
+// and should leave L2 before anything else does.
+enum class L2 : int { normal, first };
+
+// The evict-first cache policy (a constant: it folds into the load's memory
+// descriptor).
+__device__ __forceinline__ u64 l2_evict_first() {
+    u64 pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+
 // Weights are read once per step: 16-byte loads through the non-coherent path,
 // not kept in L1. Only for data no CTA writes during the launch.
+template <L2 H = L2::normal>
 __device__ __forceinline__ uint4 ld_weight16(const void* p) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
+    if constexpr (H == L2::normal) {
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p));
+    } else {
+        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p), "l"(l2_evict_first()));
+    }
     return v;
 }
 
@@ -68,10 +87,17 @@ __device__ __forceinline__ uint4 ld_shared_v4(u32 addr) {
 
 // 16 bytes global -> shared, bypassing L1; src_bytes = 0 writes zeros (rows
 // beyond the matrix; the source address must still be a valid one).
+template <L2 H = L2::normal>
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(src_bytes)
-                 : "memory");
+    if constexpr (H == L2::normal) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                     "r"(src_bytes)
+                     : "memory");
+    } else {
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+                     "l"(src), "r"(src_bytes), "l"(l2_evict_first())
+                     : "memory");
+    }
 }
 __device__ __forceinline__ void cp_async_commit() {
     asm volatile("cp.async.commit_group;\n" ::: "memory");

@@ -6,6 +6,14 @@
 
 namespace qmk {
 
+// Every decode weight read is marked evict-first in L2. A step streams
+// every weight once, far more bytes than L2 holds, so in plain LRU the
+// weights push out what the next step reads again (the K/V cache, norm
+// weights, biases, rotary tables, the activations); marked, those stay.
+// Keeping a small weight tensor instead (evict-last o_proj or q/k/v at
+// 0.5B) measured slower.
+constexpr L2 kWeightL2 = L2::first;
+
 // 16-byte vectors per lane in a bf16 row of K elements.
 constexpr int lane_vectors(int K) { return (K / 8 + 31) / 32; }
 
@@ -80,7 +88,7 @@ __device__ __forceinline__ void warp_dot_rows(const char* const (&rows)[NR],
             const int i = base + u * 32 + lane;
 #pragma unroll
             for (int r = 0; r < NR; ++r) {
-                if (i < NV) w[r][u] = ld_weight16(rows[r] + (size_t)i * 16);
+                if (i < NV) w[r][u] = ld_weight16<kWeightL2>(rows[r] + (size_t)i * 16);
                 else w[r][u] = make_uint4(0, 0, 0, 0);
             }
         }
@@ -141,8 +149,8 @@ __device__ __forceinline__ void stage_first_unit(u32 units, RowsOf rows_of, floa
             for (int r = 0; r < NR; ++r) {
                 const int i = v * 32 + lane;
                 if (i < NV)
-                    cp_async16(slot + (u32)(((r * U + v) * 32 + lane) * 16), rows[r] + (size_t)i * 16,
-                               16);
+                    cp_async16<kWeightL2>(slot + (u32)(((r * U + v) * 32 + lane) * 16),
+                                          rows[r] + (size_t)i * 16, 16);
             }
     }
     cp_async_commit();  // also when empty: callers count groups
