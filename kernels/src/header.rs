@@ -31,15 +31,21 @@ pub fn attn_ring(arch: crate::Arch) -> u64 {
 
 /// 16-byte vectors per lane per row in one batch of the decode dot product
 /// (`qmk::batch_vectors`): a whole one-row unit up to 20 per lane, else 8;
-/// 4 for row pairs.
+/// row pairs 4 up to 4 per lane, else the fewest equal batches of at most
+/// [`PAIR_BATCH_MOST`].
 pub fn batch_vectors(k: u64, rows: u64) -> u64 {
     let per_lane = (k / 8).div_ceil(32);
     match rows {
         1 if per_lane <= 20 => per_lane,
         1 => 8,
-        _ => 4,
+        _ if per_lane <= 4 => 4,
+        _ => per_lane.div_ceil(per_lane.div_ceil(PAIR_BATCH_MOST)),
     }
 }
+
+/// Most vectors per lane per row in one batch of a decode row pair
+/// (`qmk::kPairBatchMost`).
+pub const PAIR_BATCH_MOST: u64 = 10;
 
 /// Longest row, in 16-byte vectors per lane, whose phase stages its first
 /// rows (`qmk::kStageVectors`).
@@ -481,6 +487,11 @@ mod tests {
         assert_eq!(batch_vectors(4_864, 1), 19);
         assert_eq!(batch_vectors(18_944, 1), 8);
         assert_eq!(batch_vectors(896, 2), 4);
+        // Longer pairs in equal batches: 7B's 14 per lane as 2 x 7, 14B's
+        // 20 as 2 x 10, 72B's 32 as 4 x 8.
+        assert_eq!(batch_vectors(3_584, 2), 7);
+        assert_eq!(batch_vectors(5_120, 2), 10);
+        assert_eq!(batch_vectors(8_192, 2), 8);
         // Where the split attention's ring takes more, the stage changes
         // nothing; on sm_89 it sets the size.
         assert_eq!(b.smem_for(Arch::SM90), b.smem_floats.1 as u32 * 4);

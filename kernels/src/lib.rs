@@ -32,7 +32,7 @@ pub use compile::{
 pub use error::{KernelsError, Result};
 pub use header::{
     attn_ring, batch_vectors, decode_stage_floats, prefill_smem_bytes, prefill_smem_bytes_wgmma,
-    KernelBuild, ATTN_TILE, PREFILL_GEMM_TILE, PREFILL_WGMMA_TILE, STAGE_VECTORS,
+    KernelBuild, ATTN_TILE, PAIR_BATCH_MOST, PREFILL_GEMM_TILE, PREFILL_WGMMA_TILE, STAGE_VECTORS,
     STREAM_K_TILE_ELEMS, WARPS_PER_CTA,
 };
 pub use nvrtc::Nvrtc;

@@ -17,13 +17,27 @@ constexpr L2 kWeightL2 = L2::first;
 // 16-byte vectors per lane in a bf16 row of K elements.
 constexpr int lane_vectors(int K) { return (K / 8 + 31) / 32; }
 
+// Most vectors per lane per row in one batch of a row pair: 7B's rows (14
+// vectors per lane) and 14B's (20) take two DRAM round trips per unit,
+// where batches of 4 take four and five, with the same register count and
+// spills.
+constexpr int kPairBatchMost = 10;
+
+// The size of the fewest equal batches of at most `most` that cover n.
+constexpr int even_batch(int n, int most) {
+    return (n + (n + most - 1) / most - 1) / ((n + most - 1) / most);
+}
+
 // Vectors per lane per row in flight in warp_dot_rows (one batch): a
 // one-row unit whose row takes at most 20 per lane loads it all at once
-// (one DRAM round trip); else 8, or 4 with two rows. The order of the sums
-// is ascending for every batch size, so it changes no bit.
+// (one DRAM round trip); else 8. A row pair of short rows (at most 4 per
+// lane, the stage's size) takes 4; longer pairs go in equal batches of at
+// most kPairBatchMost. The order of the sums is ascending for every batch
+// size, so it changes no bit.
 template <int K, int NR>
 constexpr int batch_vectors() {
-    return NR == 1 ? (lane_vectors(K) <= 20 ? lane_vectors(K) : 8) : 4;
+    return NR == 1 ? (lane_vectors(K) <= 20 ? lane_vectors(K) : 8)
+                   : (lane_vectors(K) <= 4 ? 4 : even_batch(lane_vectors(K), kPairBatchMost));
 }
 
 // Shared memory one CTA's warps need to stage the first batch of their
@@ -156,6 +170,19 @@ __device__ __forceinline__ void stage_first_unit(u32 units, RowsOf rows_of, floa
     cp_async_commit();  // also when empty: callers count groups
 }
 
+// Unit u of a weight phase: rows_of(u, rows), then e = early(u), the dot
+// products with xs, and epilogue(u, out, e).
+template <int K, int NR, class RowsOf, class Early, class Epilogue>
+__device__ __forceinline__ void weight_unit(u32 u, const float* __restrict__ xs, RowsOf rows_of, Early early,
+                                            Epilogue epilogue) {
+    const char* rows[NR];
+    rows_of(u, rows);
+    const auto e = early(u);
+    float o[NR];
+    warp_dot_rows<K, NR>(rows, xs, o);
+    epilogue(u, o, e);
+}
+
 // A weight phase of `units` units of NR rows [K] each, after its prologue
 // has filled xs: each unit u of this warp gets rows_of(u, rows), then
 // e = early(u), the dot products with xs, and epilogue(u, out, e). early
@@ -183,13 +210,25 @@ __device__ __forceinline__ void weight_phase(u32 units, const float* __restrict_
         }
         k0 = 1;
     }
-    for (u32 k = k0, u; (u = unit_at(units, k)) < units; ++k) {
-        const char* rows[NR];
-        rows_of(u, rows);
-        const auto e = early(u);
-        float o[NR];
-        warp_dot_rows<K, NR>(rows, xs, o);
-        epilogue(u, o, e);
+    for (u32 k = k0, u; (u = unit_at(units, k)) < units; ++k) weight_unit<K, NR>(u, xs, rows_of, early, epilogue);
+}
+
+// A weight phase of `pairs` row-pair units, then `singles` one-row units,
+// all [K], dealt in one sequence (unit_at over pairs + singles); each kind
+// takes its rows, early loads and epilogue as in weight_phase. A phase
+// whose pairs overflow the grid by a little (7B's q/k/v: 2,304 pairs for
+// 2,112 warps) otherwise gives some warps a second pair; with the rows that
+// need no partner as singles (v's 512), the busiest warps take a pair and
+// one row.
+template <int K, class PairRows, class PairEarly, class PairEpilogue, class Rows, class Early, class Epilogue>
+__device__ __forceinline__ void weight_phase_pairs_then_rows(u32 pairs, u32 singles, const float* __restrict__ xs,
+                                                             PairRows pair_rows, PairEarly pair_early,
+                                                             PairEpilogue pair_epilogue, Rows rows_of, Early early,
+                                                             Epilogue epilogue) {
+    const u32 units = pairs + singles;
+    for (u32 k = 0, u; (u = unit_at(units, k)) < units; ++k) {
+        if (u < pairs) weight_unit<K, 2>(u, xs, pair_rows, pair_early, pair_epilogue);
+        else weight_unit<K, 1>(u - pairs, xs, rows_of, early, epilogue);
     }
 }
 

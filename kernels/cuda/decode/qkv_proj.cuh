@@ -3,7 +3,9 @@
 //
 // Work unit = one warp computing the row pair (h*D + i, h*D + i + D/2) of q,
 // k or v, so the rotary pair is in one warp's registers. Units: Q/2 for q,
-// KV/2 for k, KV/2 for v.
+// KV/2 for k, KV/2 for v. Where the phase does not stage its first rows
+// (rows longer than the stage's 4 vectors per lane: 1.5B and up), v, which
+// has no rotary, goes row by row instead: Q/2 + KV/2 pairs, then KV rows.
 #pragma once
 
 namespace qmk {
@@ -51,46 +53,56 @@ __device__ __forceinline__ void qkv_proj(const Params& p, u32 layer, u32 token, 
     constexpr bool kStage = normed_stages<2>();
     float* ws = normed_prologue<2, kStage>([&](u32 i) { return residual(p, layer, token, i); }, ln,
                                            kUnits, rows_of, p.rms_norm_eps, xs, red);
-    weight_phase<(int)QMK_HIDDEN, 2, kStage>(
-        kUnits, xs, rows_of,
-        [&](u32 u) {
-            // Lane 0's epilogue inputs: the unit's two biases, then the
-            // rotary (cos, sin) for q and k; zeros elsewhere.
-            float4 e = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if ((threadIdx.x & 31) == 0) {
-                const Unit n = unit(u);
-                if (n.which == 2) {
-                    e.x = bv.elem(n.r0);
-                    e.y = bv.elem(n.r1);
-                } else {
-                    const float2 cs = rotary_cs(p, pos, n.i);
-                    e.x = n.which == 0 ? bq.elem(n.r0) : bk.elem(n.r0);
-                    e.y = n.which == 0 ? bq.elem(n.r1) : bk.elem(n.r1);
-                    e.z = cs.x;
-                    e.w = cs.y;
-                }
-            }
-            return e;
-        },
-        [&](u32 u, const float (&o)[2], float4 e) {
-            if ((threadIdx.x & 31) != 0) return;
+    const auto early = [&](u32 u) {
+        // Lane 0's epilogue inputs: the unit's two biases, then the
+        // rotary (cos, sin) for q and k; zeros elsewhere.
+        float4 e = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if ((threadIdx.x & 31) == 0) {
             const Unit n = unit(u);
-            float lo = o[0] + e.x, hi = o[1] + e.y;
             if (n.which == 2) {
-                kv_append(vl, pos, n.r0, lo);
-                kv_append(vl, pos, n.r1, hi);
-                return;
-            }
-            rotate(make_float2(e.z, e.w), lo, hi);
-            if (n.which == 0) {
-                q[n.r0] = lo;
-                q[n.r1] = hi;
+                e.x = bv.elem(n.r0);
+                e.y = bv.elem(n.r1);
             } else {
-                kv_append(kl, pos, n.r0, lo);
-                kv_append(kl, pos, n.r1, hi);
+                const float2 cs = rotary_cs(p, pos, n.i);
+                e.x = n.which == 0 ? bq.elem(n.r0) : bk.elem(n.r0);
+                e.y = n.which == 0 ? bq.elem(n.r1) : bk.elem(n.r1);
+                e.z = cs.x;
+                e.w = cs.y;
             }
-        },
-        ws);
+        }
+        return e;
+    };
+    const auto epilogue = [&](u32 u, const float (&o)[2], float4 e) {
+        if ((threadIdx.x & 31) != 0) return;
+        const Unit n = unit(u);
+        float lo = o[0] + e.x, hi = o[1] + e.y;
+        if (n.which == 2) {
+            kv_append(vl, pos, n.r0, lo);
+            kv_append(vl, pos, n.r1, hi);
+            return;
+        }
+        rotate(make_float2(e.z, e.w), lo, hi);
+        if (n.which == 0) {
+            q[n.r0] = lo;
+            q[n.r1] = hi;
+        } else {
+            kv_append(kl, pos, n.r0, lo);
+            kv_append(kl, pos, n.r1, hi);
+        }
+    };
+    if constexpr (kStage) {
+        weight_phase<(int)QMK_HIDDEN, 2, kStage>(kUnits, xs, rows_of, early, epilogue, ws);
+    } else {
+        // v row r: bias, dot product, append; the same sums as in a pair.
+        const bool lane0 = (threadIdx.x & 31) == 0;
+        weight_phase_pairs_then_rows<(int)QMK_HIDDEN>(
+            QP + KP, QMK_KV_DIM, xs, rows_of, early, epilogue,
+            [&](u32 r, const char* (&rows)[1]) { rows[0] = wv.row(r); },
+            [&](u32 r) { return lane0 ? bv.elem(r) : 0.0f; },
+            [&](u32 r, const float (&o)[1], float b) {
+                if (lane0) kv_append(vl, pos, r, o[0] + b);
+            });
+    }
 }
 
 }  // namespace qmk
