@@ -44,11 +44,11 @@ pub fn batch_vectors(k: u64, rows: u64) -> u64 {
 }
 
 /// Most vectors per lane per row in one batch of a decode row pair
-/// (`qmk::kPairBatchMost`).
+/// (`qmk::kPairBatchMost`, rendered as `QMK_PAIR_BATCH_MOST`).
 pub const PAIR_BATCH_MOST: u64 = 10;
 
 /// Longest row, in 16-byte vectors per lane, whose phase stages its first
-/// rows (`qmk::kStageVectors`).
+/// rows (`qmk::kStageVectors`, rendered as `QMK_STAGE_VECTORS`).
 pub const STAGE_VECTORS: u64 = 4;
 
 /// Shared memory, floats, that the decode weight phases need to stage their
@@ -346,6 +346,8 @@ impl KernelBuild {
             ("QMK_STREAM_K_TILE_ELEMS", STREAM_K_TILE_ELEMS),
             ("QMK_PREFILL_BARRIERS", pf_barriers),
             ("QMK_ATTN_TILE", ATTN_TILE),
+            ("QMK_STAGE_VECTORS", STAGE_VECTORS),
+            ("QMK_PAIR_BATCH_MOST", PAIR_BATCH_MOST),
         ];
         let rendered = qmk_layout::try_render_header(&plan, &consts)?;
         // The constants live in namespace qmk_plan; the kernel uses them

@@ -21,7 +21,7 @@ constexpr int lane_vectors(int K) { return (K / 8 + 31) / 32; }
 // vectors per lane) and 14B's (20) take two DRAM round trips per unit,
 // where batches of 4 take four and five, with the same register count and
 // spills.
-constexpr int kPairBatchMost = 10;
+constexpr int kPairBatchMost = (int)QMK_PAIR_BATCH_MOST;
 
 // The size of the fewest equal batches of at most `most` that cover n.
 constexpr int even_batch(int n, int most) {
@@ -57,7 +57,7 @@ constexpr u32 stage_offset(u32 n) { return (n + 31u) / 32u * 32u; }
 // per row), whose phases wait on latency rather than bytes; longer rows
 // ran slower staged (their copies go through cp.async), and only where
 // the stage fits QMK_SMEM_FLOATS, which the host sizes by the same rule.
-constexpr int kStageVectors = 4;
+constexpr int kStageVectors = (int)QMK_STAGE_VECTORS;
 template <int K, int NR>
 constexpr bool stages_after(u32 front) {
     return lane_vectors(K) <= kStageVectors && stage_offset(front) + stage_floats<K, NR>() <= QMK_SMEM_FLOATS;
