@@ -31,14 +31,12 @@ pub fn attn_ring(arch: crate::Arch) -> u64 {
 
 /// 16-byte vectors per lane per row in one batch of the decode dot product
 /// (`qmk::batch_vectors`): a whole one-row unit up to 20 per lane, else 8;
-/// row pairs 4 up to 4 per lane, else the fewest equal batches of at most
-/// [`PAIR_BATCH_MOST`].
+/// row pairs in the fewest equal batches of at most [`PAIR_BATCH_MOST`].
 pub fn batch_vectors(k: u64, rows: u64) -> u64 {
     let per_lane = (k / 8).div_ceil(32);
     match rows {
         1 if per_lane <= 20 => per_lane,
         1 => 8,
-        _ if per_lane <= 4 => 4,
         _ => per_lane.div_ceil(per_lane.div_ceil(PAIR_BATCH_MOST)),
     }
 }

@@ -25,19 +25,18 @@ constexpr int kPairBatchMost = (int)QMK_PAIR_BATCH_MOST;
 
 // The size of the fewest equal batches of at most `most` that cover n.
 constexpr int even_batch(int n, int most) {
-    return (n + (n + most - 1) / most - 1) / ((n + most - 1) / most);
+    const int batches = (n + most - 1) / most;
+    return (n + batches - 1) / batches;
 }
 
 // Vectors per lane per row in flight in warp_dot_rows (one batch): a
 // one-row unit whose row takes at most 20 per lane loads it all at once
-// (one DRAM round trip); else 8. A row pair of short rows (at most 4 per
-// lane, the stage's size) takes 4; longer pairs go in equal batches of at
-// most kPairBatchMost. The order of the sums is ascending for every batch
-// size, so it changes no bit.
+// (one DRAM round trip); else 8. A row pair goes in equal batches of at
+// most kPairBatchMost (0.5B's short pair, 4 per lane, in one). The order
+// of the sums is ascending for every batch size, so it changes no bit.
 template <int K, int NR>
 constexpr int batch_vectors() {
-    return NR == 1 ? (lane_vectors(K) <= 20 ? lane_vectors(K) : 8)
-                   : (lane_vectors(K) <= 4 ? 4 : even_batch(lane_vectors(K), kPairBatchMost));
+    return NR == 1 ? (lane_vectors(K) <= 20 ? lane_vectors(K) : 8) : even_batch(lane_vectors(K), kPairBatchMost);
 }
 
 // Shared memory one CTA's warps need to stage the first batch of their
@@ -184,8 +183,7 @@ __device__ __forceinline__ void weight_unit(u32 u, const float* __restrict__ xs,
 }
 
 // A weight phase of `units` units of NR rows [K] each, after its prologue
-// has filled xs: each unit u of this warp gets rows_of(u, rows), then
-// e = early(u), the dot products with xs, and epilogue(u, out, e). early
+// has filled xs: this warp runs weight_unit on each of its units. early
 // loads what the epilogue adds (a residual, a bias) before the weight rows,
 // so its round trip overlaps theirs instead of following the warp's sum.
 // STAGED: stage_first_unit has filled `stage` with this phase's units and
