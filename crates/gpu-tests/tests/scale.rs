@@ -34,7 +34,7 @@ use qmk_model::{synthetic_weights, Config, Weights};
 /// Two prompt tokens, then greedy picks.
 const PROMPT: [u32; 2] = [9707, 11];
 /// Greedy steps after the prompt.
-const GREEDY: usize = 4;
+const GREEDY: usize = 8;
 const TOL: f64 = 1e-2;
 
 /// The plan made for 32-bit *element* offsets: what a planner that models
