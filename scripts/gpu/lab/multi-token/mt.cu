@@ -23,6 +23,12 @@
 //   1  2 / 1, split halves (floats 0-3 of every vector, then floats 4-7:
 //      neighbouring lanes read neighbouring 16 bytes)
 //   2  4 / 2, split halves: each shared load feeds twice the rows
+//   3  as 1, loads a batch ahead: two register sets of 8 vectors per lane
+//      over the unit's rows, the next batch's loads issued before the
+//      current batch's arithmetic
+//   4  as 2, loads a batch ahead
+// -DLAB_MODES_FROM=3 builds modes 3 and 4 only (and the reference, mode 0
+// at T = 1).
 //
 // Build and run (sm_90; LAB_SHAPE 0 = 0.5B, 1 = 7B, 2 = 14B, 3 = 32B):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -Xptxas -v -DLAB_SHAPE=1 -o /tmp/mt-7b mt.cu && /tmp/mt-7b
@@ -50,6 +56,9 @@ constexpr int kSmemFloats = 50 * 1024;  // 200 KB of inputs per CTA
 constexpr int kLayers = 8;              // each with its own weights
 constexpr int kTMax = 8;
 
+#ifndef LAB_MODES_FROM
+#define LAB_MODES_FROM 0
+#endif
 #ifndef LAB_SHAPE
 #define LAB_SHAPE 1
 #endif
@@ -126,9 +135,11 @@ __host__ __device__ constexpr int even_batch(int n, int most) {
 __host__ __device__ constexpr int batch(int nr, int lv) {
     return nr == 1 ? (lv <= 20 ? lv : 8) : even_batch(lv, nr == 2 ? 10 : 4);
 }
+// With two batches in flight: 8 vectors per lane per set over the rows.
+__host__ __device__ constexpr int pipe_batch(int nr) { return 8 / nr; }
 
 // One weight phase: y[t][r] = W[r, :] . x[t][:] for t < T, rows [ROWS, K].
-template <int K, int ROWS, int NR, int T, bool SPLIT>
+template <int K, int ROWS, int NR, int T, bool SPLIT, bool PIPE>
 __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const float* x, int xstride,
                                       float* y, int ystride, float* xs, uint64_t pol) {
     constexpr int KC0 = (kSmemFloats / T) / 256 * 256;
@@ -166,31 +177,52 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         }
     };
     // acc[r][t] += rows . x over this chunk's vectors (nv of them).
-    auto chunk_dot = [&](const uint16_t* const (&rows)[NR], int c, int nv, float (&acc)[NR][T]) {
-        constexpr int U = batch(NR, (NVC + 31) / 32);
-#pragma unroll 1
-        for (int base = 0; base < nv; base += 32 * U) {
-            uint4 wv[NR][U];
+    // PIPE: two register sets, the next batch's loads issued before the
+    // current batch's arithmetic.
+    constexpr int U = PIPE ? pipe_batch(NR) : batch(NR, (NVC + 31) / 32);
+    auto load = [&](const uint16_t* const (&rows)[NR], int c, int nv, int base, uint4 (&wv)[NR][U]) {
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int i = base + u * 32 + lane;
+        for (int u = 0; u < U; ++u) {
+            const int i = base + u * 32 + lane;
 #pragma unroll
-                for (int r = 0; r < NR; ++r)
-                    wv[r][u] = i < nv ? ld_weight16(rows[r] + ((size_t)c * NVC + i) * 8, pol)
-                                      : make_uint4(0, 0, 0, 0);
-            }
+            for (int r = 0; r < NR; ++r)
+                wv[r][u] = i < nv ? ld_weight16(rows[r] + ((size_t)c * NVC + i) * 8, pol)
+                                  : make_uint4(0, 0, 0, 0);
+        }
+    };
+    auto compute = [&](int nv, int base, const uint4 (&wv)[NR][U], float (&acc)[NR][T]) {
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int i = base + u * 32 + lane;
-                if (i < nv) {
+        for (int u = 0; u < U; ++u) {
+            const int i = base + u * 32 + lane;
+            if (i < nv) {
 #pragma unroll
-                    for (int t = 0; t < T; ++t) {
-                        const float4 a = xs4[t * 2 * NVC + (SPLIT ? i : 2 * i)];
-                        const float4 b = xs4[t * 2 * NVC + (SPLIT ? NVC + i : 2 * i + 1)];
+                for (int t = 0; t < T; ++t) {
+                    const float4 a = xs4[t * 2 * NVC + (SPLIT ? i : 2 * i)];
+                    const float4 b = xs4[t * 2 * NVC + (SPLIT ? NVC + i : 2 * i + 1)];
 #pragma unroll
-                        for (int r = 0; r < NR; ++r) acc[r][t] = dot8(wv[r][u], a, b, acc[r][t]);
-                    }
+                    for (int r = 0; r < NR; ++r) acc[r][t] = dot8(wv[r][u], a, b, acc[r][t]);
                 }
+            }
+        }
+    };
+    auto chunk_dot = [&](const uint16_t* const (&rows)[NR], int c, int nv, float (&acc)[NR][T]) {
+        if constexpr (PIPE) {
+            uint4 wa[NR][U], wb[NR][U];
+            load(rows, c, nv, 0, wa);
+#pragma unroll 1
+            for (int base = 0; base < nv; base += 64 * U) {
+                if (base + 32 * U < nv) load(rows, c, nv, base + 32 * U, wb);
+                compute(nv, base, wa, acc);
+                if (base + 32 * U >= nv) break;
+                if (base + 64 * U < nv) load(rows, c, nv, base + 64 * U, wa);
+                compute(nv, base + 32 * U, wb, acc);
+            }
+        } else {
+#pragma unroll 1
+            for (int base = 0; base < nv; base += 32 * U) {
+                uint4 wv[NR][U];
+                load(rows, c, nv, base, wv);
+                compute(nv, base, wv, acc);
             }
         }
     };
@@ -261,20 +293,20 @@ struct Bufs {
 template <int T, int MODE>
 __global__ void __launch_bounds__(kThreads, 1) step(Bufs b) {
     extern __shared__ __align__(16) float xs[];
-    constexpr bool SPLIT = MODE != 0;
-    constexpr int NRP = MODE == 2 ? 4 : 2, NRS = MODE == 2 ? 2 : 1;
+    constexpr bool SPLIT = MODE != 0, PIPE = MODE >= 3;
+    constexpr int NRP = MODE == 2 || MODE == 4 ? 4 : 2, NRS = MODE == 2 || MODE == 4 ? 2 : 1;
     uint64_t pol;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
     unsigned gen = 0;
     for (int l = 0; l < kLayers; ++l) {
         const uint16_t* wl = b.w + (size_t)l * kLayerElems;
-        phase<H, QKV, NRP, T, SPLIT>(wl + kOffQkv, l ? b.yd : b.x0, H, b.yqkv, QKV, xs, pol);
+        phase<H, QKV, NRP, T, SPLIT, PIPE>(wl + kOffQkv, l ? b.yd : b.x0, H, b.yqkv, QKV, xs, pol);
         grid_sync(b.bar, gen);
-        phase<Q, H, NRS, T, SPLIT>(wl + kOffO, b.yqkv, QKV, b.yo, H, xs, pol);
+        phase<Q, H, NRS, T, SPLIT, PIPE>(wl + kOffO, b.yqkv, QKV, b.yo, H, xs, pol);
         grid_sync(b.bar, gen);
-        phase<H, 2 * I, NRP, T, SPLIT>(wl + kOffGu, b.yo, H, b.ygu, 2 * I, xs, pol);
+        phase<H, 2 * I, NRP, T, SPLIT, PIPE>(wl + kOffGu, b.yo, H, b.ygu, 2 * I, xs, pol);
         grid_sync(b.bar, gen);
-        phase<I, H, NRS, T, SPLIT>(wl + kOffD, b.ygu, 2 * I, b.yd, H, xs, pol);
+        phase<I, H, NRS, T, SPLIT, PIPE>(wl + kOffD, b.ygu, 2 * I, b.yd, H, xs, pol);
         grid_sync(b.bar, gen);
     }
 }
@@ -428,8 +460,16 @@ int main() {
     };
 #define ROW(T, M) report(M, T, run<T, M>(b, yd, 5))
 #define MODE_ROWS(M) ROW(1, M); ROW(2, M); ROW(3, M); ROW(4, M); ROW(5, M); ROW(6, M); ROW(8, M)
+#if LAB_MODES_FROM <= 0
     MODE_ROWS(0);
+#endif
+#if LAB_MODES_FROM <= 1
     MODE_ROWS(1);
+#endif
+#if LAB_MODES_FROM <= 2
     MODE_ROWS(2);
+#endif
+    MODE_ROWS(3);
+    MODE_ROWS(4);
     return 0;
 }
