@@ -75,8 +75,9 @@
 #               scripts/gpu/serve_speed.py: the server's logged time to first
 #               token and tok/s against `generate` on the same request
 #   sanitizer   compute-sanitizer memcheck, racecheck, synccheck, initcheck on
-#               a short prefill + decode, both drivers, and on steps of the
-#               split attention at 300 positions; the OOB hook must be caught
+#               a short prefill + decode (0.5B, both drivers; 1.5B shapes in
+#               2 layers, cudarc), and on steps of the split attention at 300
+#               positions; the OOB hook must be caught
 #
 # Every step runs under `timeout`; a failure never stops the script; logs go
 # to $OUT/logs.tgz and a summary (PASS / FAIL per step, key numbers) is
@@ -377,14 +378,16 @@ EOF
       # split-attention target (3 traced steps at 300 positions with the
       # split forced: partials, tickets, combine) on cudarc, 4 at a time;
       # racecheck on 2 of the 24 layers (every layer runs the same code; all
-      # 24 do not finish in 290 s). Then the OOB hook under memcheck, which
-      # must be caught (exit 99).
+      # 24 do not finish in 290 s). The same target at 1.5B shapes, 2
+      # layers, cudarc (q/k/v's single v rows, no staged phase). Then the
+      # OOB hook under memcheck, which must be caught (exit 99).
       SAN=/usr/local/cuda/bin/compute-sanitizer
       san() {
-        local name=$1 tool=$2 child=$3 test=$4 lim=200 layers="" extra=()
+        local name=$1 tool=$2 child=$3 test=$4 preset=${5:-0.5b} lim=200 layers="" extra=()
         [[ $tool == memcheck ]] && extra=(--padding 65536)
         [[ $tool == racecheck ]] && { lim=290; layers=2; }
-        QMK_SAN_LAYERS=$layers QMK_TEST_SPIN_S=$((lim + 60)) QMK_TEST_DEADLINE_S=$((lim + 60)) \
+        [[ $preset != 0.5b ]] && layers=2
+        QMK_SAN_PRESET=$preset QMK_SAN_LAYERS=$layers QMK_TEST_SPIN_S=$((lim + 60)) QMK_TEST_DEADLINE_S=$((lim + 60)) \
           QMK_FAULT_CHILD=$child timeout -k 5 $lim "$SAN" --tool "$tool" "${extra[@]}" --error-exitcode 99 \
           "$BIN/test-faults" --exact "$test" --nocapture --test-threads=1 > "$LOG/$name.log" 2>&1
         echo $? > "$LOG/$name.rc"
@@ -393,6 +396,7 @@ EOF
       for tool in racecheck memcheck synccheck initcheck; do
         for d in cudarc cust; do runs+=("san-$tool-$d $tool - sanitize_target::$d"); done
         runs+=("san-split-$tool-cudarc $tool - sanitize_split_target::cudarc")
+        runs+=("san-1.5b-$tool-cudarc $tool - sanitize_target::cudarc 1.5b")
       done
       runs+=("san-oob-memcheck memcheck sanitize_oob_child::cudarc sanitize_oob_child::cudarc")
       for r in "${runs[@]}"; do

@@ -315,8 +315,8 @@ fn oob_is_sticky<D: Driver>() {
 /// The sanitizer target (the GPU script runs it under compute-sanitizer
 /// memcheck, racecheck, synccheck and initcheck): a
 /// 17-token prompt through the tensor-core prefill in chunks of 16 (two
-/// launches), then 3 greedy decode steps, at 0.5B shapes; the ids must be
-/// the CPU reference's. `QMK_TEST_SPIN_S` / `QMK_TEST_DEADLINE_S` raise the
+/// launches), then 3 greedy decode steps, at 0.5B shapes (or those of
+/// `sanitize_weights`); the ids must be the CPU reference's. `QMK_TEST_SPIN_S` / `QMK_TEST_DEADLINE_S` raise the
 /// spin budget and host deadline (sanitizers slow kernels 10-100x).
 fn sanitize_target<D: Driver>() {
     let test = format!("sanitize_target {}", D::NAME);
@@ -411,21 +411,29 @@ fn sanitize_split_target<D: Driver>() {
     assert_eq!(a.items, 4.0, "{test}: items per layer");
 }
 
-/// 0.5B weights, or with `QMK_SAN_LAYERS=n` 0.5B cut to its first n layers
-/// (every layer runs the same code at the same shapes: the fallback when a
-/// sanitizer is too slow for all 24).
+/// The sanitizer targets' weights: the preset `QMK_SAN_PRESET` names (0.5B
+/// when unset), cut to its first n layers with `QMK_SAN_LAYERS=n` (every
+/// layer runs the same code at the same shapes: the fallback when a
+/// sanitizer is too slow for all of them). 0.5B's q/k/v stages its rows
+/// and takes them in pairs; from 1.5B on q/k/v takes v's rows one by one
+/// and no phase stages, so a larger preset covers those paths.
 fn sanitize_weights(test: &str) -> Arc<Weights> {
+    let preset = std::env::var("QMK_SAN_PRESET").unwrap_or_else(|_| "0.5b".to_string());
+    let mut c =
+        Config::preset(&preset).unwrap_or_else(|e| panic!("{test}: QMK_SAN_PRESET={preset}: {e}"));
     match std::env::var("QMK_SAN_LAYERS")
         .ok()
         .and_then(|v| v.parse().ok())
     {
         Some(n) if n > 0 => {
-            let mut c = Config::preset("0.5b").unwrap();
+            println!(
+                "{test}: {preset} shapes, {n} of {} layers (QMK_SAN_LAYERS)",
+                c.num_hidden_layers
+            );
             c.num_hidden_layers = n;
-            println!("{test}: 0.5B shapes, {n} of 24 layers (QMK_SAN_LAYERS)");
             Arc::new(synthetic_weights(&c, SEED))
         }
-        _ => weights("0.5b"),
+        _ => weights(&preset),
     }
 }
 
