@@ -28,7 +28,8 @@
 //      current batch's arithmetic
 //   4  as 2, loads a batch ahead
 // -DLAB_MODES_FROM=3 builds modes 3 and 4 only (and the reference, mode 0
-// at T = 1).
+// at T = 1); -DLAB_WARPS=8 runs 8 warps per CTA instead of 16, with twice
+// the registers per thread.
 //
 // Build and run (sm_90; LAB_SHAPE 0 = 0.5B, 1 = 7B, 2 = 14B, 3 = 32B):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -Xptxas -v -DLAB_SHAPE=1 -o /tmp/mt-7b mt.cu && /tmp/mt-7b
@@ -51,7 +52,11 @@
         }                                                                                  \
     } while (0)
 
-constexpr int kWarps = 16, kThreads = kWarps * 32, kGrid = 132;
+#ifndef LAB_WARPS
+#define LAB_WARPS 16
+#endif
+// Warps per CTA: the kernel's 16 (128 registers a thread), or 8 (255).
+constexpr int kWarps = LAB_WARPS, kThreads = kWarps * 32, kGrid = 132;
 constexpr int kSmemFloats = 50 * 1024;  // 200 KB of inputs per CTA
 constexpr int kLayers = 8;              // each with its own weights
 constexpr int kTMax = 8;
@@ -432,8 +437,8 @@ int main() {
     }
     const double bytes = (double)n * 2;
     const float read_us = median(rt);
-    printf("%s: %d layers, %.2f GB of weights; plain read %.1f us (%.0f GB/s)\n", kName, kLayers,
-           bytes / 1e9, read_us, bytes / read_us / 1e3);
+    printf("%s, %d warps per CTA: %d layers, %.2f GB of weights; plain read %.1f us (%.0f GB/s)\n", kName,
+           kWarps, kLayers, bytes / 1e9, read_us, bytes / read_us / 1e3);
 
     Bufs b{w, x0, yqkv, yo, ygu, yd, bar};
     // Every token's one-token run (mode 0, T = 1): the bits to match.

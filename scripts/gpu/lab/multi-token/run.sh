@@ -4,8 +4,9 @@
 #   bash scripts/gpu/lab/multi-token/run.sh            (on the GPU machine, nvcc)
 #   MT_BIN_DIR=DIR bash scripts/gpu/lab/multi-token/run.sh build   (here: nvcc, no GPU)
 #   MT_BIN_DIR=DIR bash scripts/gpu/lab/multi-token/run.sh         (there, with DIR carried)
-# MT_NVCC_FLAGS=-DLAB_MODES_FROM=3 builds only the modes that load a batch
-# ahead. ~2 minutes of nvcc per shape; ~10 s of GPU per shape.
+# MT_NVCC_FLAGS: -DLAB_MODES_FROM=3 builds only the modes that load a batch
+# ahead, -DLAB_WARPS=8 runs 8 warps per CTA. ~2 minutes of nvcc per shape;
+# ~10 s of GPU per shape.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 BIN=${MT_BIN_DIR:-/tmp/mt-lab}
