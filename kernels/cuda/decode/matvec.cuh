@@ -62,10 +62,31 @@ constexpr bool stages_after(u32 front) {
     return lane_vectors(K) <= kStageVectors && stage_offset(front) + stage_floats<K, NR>() <= QMK_SMEM_FLOATS;
 }
 
-// rows[NR] . xs for one warp. STAGED: the first batch comes from `staged`,
-// this warp's slot of a stage that stage_first_unit filled from the same
-// rows; a lane reads only the vectors it copied itself, after waiting for
-// its own copies.
+// The order of an activation vector [K] in shared memory. Split (kXsSplit):
+// the first four floats of every 16-byte weight vector's eight, then the
+// last four ([2][K / 8][4]), so lane l's two 16-byte reads for its weight
+// vector l sit next to lane l + 1's; in plain order they sit 32 bytes
+// apart, a two-way bank conflict on every read of the dot product. Split
+// order made the 0.5B step 1.5-2 % faster but 7B and 32B 0.8 % slower
+// (its writers cost more instructions behind every barrier), so only a
+// hidden size of at most 1,024 (0.5B) takes it.
+constexpr bool kXsSplit = QMK_HIDDEN <= 1024;
+// The slot of element i (plain order: i itself, in its own type).
+template <int K, class I>
+__device__ __forceinline__ auto xs_slot(I i) {
+    if constexpr (kXsSplit) {
+        static_assert(K % 8 == 0, "split order needs whole 16-byte weight vectors");
+        const u32 j = (u32)i;
+        return ((j >> 2) & 1u) * (u32)(K / 2) + (j >> 3) * 4u + (j & 3u);
+    } else {
+        return i;
+    }
+}
+
+// rows[NR] . xs for one warp, xs [K] in xs_slot order. STAGED: the first
+// batch comes from `staged`, this warp's slot of a stage that
+// stage_first_unit filled from the same rows; a lane reads only the vectors
+// it copied itself, after waiting for its own copies.
 template <int K, int NR, bool STAGED = false>
 __device__ __forceinline__ void warp_dot_rows(const char* const (&rows)[NR],
                                               const float* __restrict__ xs, float (&out)[NR],
@@ -87,7 +108,7 @@ __device__ __forceinline__ void warp_dot_rows(const char* const (&rows)[NR],
         for (int u = 0; u < U; ++u) {
             const int i = u * 32 + lane;
             if (i < NV) {
-                const float4 a = xs4[2 * i], b = xs4[2 * i + 1];
+                const float4 a = xs4[kXsSplit ? i : 2 * i], b = xs4[kXsSplit ? NV + i : 2 * i + 1];
 #pragma unroll
                 for (int r = 0; r < NR; ++r) acc[r] = dot8(staged[(r * U + u) * 32 + lane], a, b, acc[r]);
             }
@@ -109,7 +130,7 @@ __device__ __forceinline__ void warp_dot_rows(const char* const (&rows)[NR],
         for (int u = 0; u < U; ++u) {
             const int i = base + u * 32 + lane;
             if (i < NV) {
-                const float4 a = xs4[2 * i], b = xs4[2 * i + 1];
+                const float4 a = xs4[kXsSplit ? i : 2 * i], b = xs4[kXsSplit ? NV + i : 2 * i + 1];
 #pragma unroll
                 for (int r = 0; r < NR; ++r) acc[r] = dot8(w[r][u], a, b, acc[r]);
             }
@@ -236,10 +257,10 @@ __device__ __forceinline__ void weight_phase_pairs_then_rows(u32 pairs, u32 sing
 constexpr int kVecCopyBatch = 2;
 
 // Copy N f32 values (global, written earlier in this launch: coherent loads)
-// to shared memory; both 16-byte aligned. The stores may alias the loads as
-// far as the compiler knows, so each thread loads a batch of kVecCopyBatch
-// 16-byte vectors before it stores any, instead of one element per memory
-// round trip. Caller synchronises.
+// to shared memory in xs_slot order; both 16-byte aligned. The stores may
+// alias the loads as far as the compiler knows, so each thread loads a
+// batch of kVecCopyBatch 16-byte vectors before it stores any, instead of
+// one element per memory round trip. Caller synchronises.
 template <int N>
 __device__ __forceinline__ void load_vec_to_smem(const float* __restrict__ src, float* dst) {
     constexpr int NV = N / 4;                                  // whole 16-byte vectors
@@ -259,10 +280,10 @@ __device__ __forceinline__ void load_vec_to_smem(const float* __restrict__ src, 
 #pragma unroll
         for (int j = 0; j < B; ++j) {
             const int i = t + (j0 + j) * QMK_THREADS;
-            if (j0 + j < PER && i < NV) d4[i] = v[j];
+            if (j0 + j < PER && i < NV) d4[kXsSplit ? (i & 1) * (N / 8) + (i >> 1) : i] = v[j];
         }
     }
-    for (int i = 4 * NV + t; i < N; i += QMK_THREADS) dst[i] = src[i];
+    for (int i = 4 * NV + t; i < N; i += QMK_THREADS) dst[xs_slot<N>(i)] = src[i];
 }
 
 // The prologue of a weight phase whose input is a vector [N] f32 written

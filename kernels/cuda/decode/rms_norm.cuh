@@ -1,8 +1,8 @@
 // decode/rms_norm.cuh: every CTA normalises the residual stream [H] into its own
 // shared memory (no grid barrier, no global write): xs[i] = v[i] / rms * w[i]
-// with rms = sqrt(mean(v^2) + eps). Fixed-order block reduction, so all CTAs
-// compute identical bits. Used for input_layernorm, post_attention_layernorm
-// and the final norm (final_norm).
+// with rms = sqrt(mean(v^2) + eps), stored in xs_slot order. Fixed-order
+// block reduction, so all CTAs compute identical bits. Used for
+// input_layernorm, post_attention_layernorm and the final norm (final_norm).
 #pragma once
 
 namespace qmk {
@@ -30,7 +30,7 @@ __device__ __forceinline__ void rms_norm(Src src, W w, float eps, float* xs, flo
     if constexpr (RB == 1) {
         for (int i = t; i < QMK_HIDDEN; i += QMK_THREADS) {
             const float v = src(i);
-            xs[i] = v;
+            xs[xs_slot<(int)QMK_HIDDEN>(i)] = v;
             ss = fmaf(v, v, ss);
         }
     } else {
@@ -46,7 +46,7 @@ __device__ __forceinline__ void rms_norm(Src src, W w, float eps, float* xs, flo
             for (int j = 0; j < RB; ++j) {
                 const int i = t + (j0 + j) * QMK_THREADS;
                 if (j0 + j < PER && i < QMK_HIDDEN) {
-                    xs[i] = v[j];
+                    xs[xs_slot<(int)QMK_HIDDEN>(i)] = v[j];
                     ss = fmaf(v[j], v[j], ss);
                 }
             }
@@ -56,7 +56,10 @@ __device__ __forceinline__ void rms_norm(Src src, W w, float eps, float* xs, flo
     const float total = block_sum(ss, red);
     const float inv = 1.0f / sqrtf(total / (float)QMK_HIDDEN + eps);
     if constexpr (RB == 1) {
-        for (int i = t; i < QMK_HIDDEN; i += QMK_THREADS) xs[i] = xs[i] * inv * w(i);
+        for (int i = t; i < QMK_HIDDEN; i += QMK_THREADS) {
+            const auto k = xs_slot<(int)QMK_HIDDEN>(i);
+            xs[k] = xs[k] * inv * w(i);
+        }
     } else {
 #pragma unroll
         for (int j0 = 0; j0 < PER; j0 += RB) {
@@ -69,7 +72,10 @@ __device__ __forceinline__ void rms_norm(Src src, W w, float eps, float* xs, flo
 #pragma unroll
             for (int j = 0; j < RB; ++j) {
                 const int i = t + (j0 + j) * QMK_THREADS;
-                if (j0 + j < PER && i < QMK_HIDDEN) xs[i] = xs[i] * inv * wv[j];
+                if (j0 + j < PER && i < QMK_HIDDEN) {
+                    const auto k = xs_slot<(int)QMK_HIDDEN>(i);
+                    xs[k] = xs[k] * inv * wv[j];
+                }
             }
         }
     }
