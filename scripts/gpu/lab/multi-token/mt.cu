@@ -35,22 +35,13 @@
 //   nvcc -O3 -std=c++17 -arch=sm_90a -Xptxas -v -DLAB_SHAPE=1 -o /tmp/mt-7b mt.cu && /tmp/mt-7b
 // `run.sh` builds and runs every shape.
 
-#include <cuda_runtime.h>
+#include "../ring-tile/ring.cuh"  // CK, dot8 (the kernel's order), warp_sum
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
-
-#define CK(x)                                                                              \
-    do {                                                                                   \
-        cudaError_t e_ = (x);                                                              \
-        if (e_ != cudaSuccess) {                                                           \
-            printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));              \
-            exit(1);                                                                       \
-        }                                                                                  \
-    } while (0)
 
 #ifndef LAB_WARPS
 #define LAB_WARPS 16
@@ -85,27 +76,6 @@ constexpr int QKV = Q + 2 * KV;
 // Elements of one layer's weights and where each matrix starts in it.
 constexpr size_t kOffQkv = 0, kOffO = kOffQkv + (size_t)QKV * H, kOffGu = kOffO + (size_t)H * Q,
                  kOffD = kOffGu + (size_t)2 * I * H, kLayerElems = kOffD + (size_t)H * I;
-
-__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-
-__device__ __forceinline__ float dot8(const uint4 w, const float4 a, const float4 b, float acc) {
-    acc = fmaf(bf16_lo(w.x), a.x, acc);
-    acc = fmaf(bf16_hi(w.x), a.y, acc);
-    acc = fmaf(bf16_lo(w.y), a.z, acc);
-    acc = fmaf(bf16_hi(w.y), a.w, acc);
-    acc = fmaf(bf16_lo(w.z), b.x, acc);
-    acc = fmaf(bf16_hi(w.z), b.y, acc);
-    acc = fmaf(bf16_lo(w.w), b.z, acc);
-    acc = fmaf(bf16_hi(w.w), b.w, acc);
-    return acc;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 __device__ __forceinline__ uint4 ld_weight16(const void* p, uint64_t pol) {
     uint4 v;
@@ -336,7 +306,7 @@ __global__ void fill_weights(uint16_t* w, size_t n) {
 
 // The plain streaming read that defines the floor: 16-byte loads, 4 in
 // flight per thread.
-__global__ void stream_read(const uint4* p, size_t n, unsigned* sink) {
+__global__ void plain_read(const uint4* p, size_t n, unsigned* sink) {
     unsigned acc = 0;
     const size_t stride = (size_t)gridDim.x * blockDim.x;
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
@@ -428,7 +398,7 @@ int main() {
     std::vector<float> rt;
     for (int r = 0; r < 8; ++r) {
         CK(cudaEventRecord(e0));
-        stream_read<<<kGrid * 4, 512>>>(reinterpret_cast<const uint4*>(w), n * 2 / 16, sink);
+        plain_read<<<kGrid * 4, 512>>>(reinterpret_cast<const uint4*>(w), n * 2 / 16, sink);
         CK(cudaEventRecord(e1));
         CK(cudaEventSynchronize(e1));
         float ms;
