@@ -313,11 +313,12 @@ fn oob_is_sticky<D: Driver>() {
 }
 
 /// The sanitizer target (the GPU script runs it under compute-sanitizer
-/// memcheck, racecheck, synccheck and initcheck): a
-/// 17-token prompt through the tensor-core prefill in chunks of 16 (two
-/// launches), then 3 greedy decode steps, at 0.5B shapes (or those of
-/// `sanitize_weights`); the ids must be the CPU reference's. `QMK_TEST_SPIN_S` / `QMK_TEST_DEADLINE_S` raise the
-/// spin budget and host deadline (sanitizers slow kernels 10-100x).
+/// memcheck, racecheck, synccheck and initcheck): a 17-token prompt
+/// through the tensor-core prefill in chunks of 16 (two launches), then 3
+/// greedy decode steps, at 0.5B shapes (or those `sanitize_weights` is
+/// told); the ids must be the CPU reference's. `QMK_TEST_SPIN_S` /
+/// `QMK_TEST_DEADLINE_S` raise the spin budget and host deadline
+/// (sanitizers slow kernels 10-100x).
 fn sanitize_target<D: Driver>() {
     let test = format!("sanitize_target {}", D::NAME);
     let Some(_g) = gpu_or_skip(&test) else { return };
