@@ -1,6 +1,8 @@
 // megakernel.cu: the one translation unit NVRTC compiles per (model config,
 // split plan, arch). Its cubin holds every kernel the engine launches:
 //   qmk_decode_step    one decode step of a Qwen2.5 model (defined below)
+//   qmk_decode_multi_T T = 2 .. QMK_MT_MAX_TOKENS positions in one launch
+//                      (decode/multi.cuh; defined below)
 //   qmk_prefill_chunk  one prompt chunk on tensor cores (prefill/chunk.cuh)
 //   qmk_stream_read    the streaming-read bandwidth floor (probes/stream.cuh)
 //   qmk_probe_fill,
@@ -29,6 +31,7 @@
 #include "decode/mlp.cuh"        // norm + gate/up + SiLU, then down + residual
 #include "decode/lm_head.cuh"    // final norm + LM head + per-CTA argmax partials
 #include "decode/argmax.cuh"     // the fixed-order argmax over the partials
+#include "decode/multi.cuh"      // the multi-token step: T positions in one launch
 // Probes:
 #include "probes/stream.cuh"     // qmk_stream_read
 #include "probes/trap_probe.cuh" // qmk_probe_fill, qmk_trap_probe
@@ -105,10 +108,11 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
         if (!(skip & 1u)) qkv_proj(p, layer, token, pos, xs, red);
         if (!bar.sync(p, kPhaseQkv, layer)) return;
         if (!(skip & 2u)) {
+            const AttnIo io = attn_io(p, pos);
             if (split_attn) {
-                if (!attention_split(p, layer, pos, xs)) return;
+                if (!attention_split(p, layer, io, xs)) return;
             } else {
-                attention(p, layer, pos, xs);
+                attention(p, layer, io, xs);
             }
         }
         if (!bar.sync(p, kPhaseAttention, layer)) return;
@@ -135,3 +139,31 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
         }
     }
 }
+
+// The multi-token steps, one entry per token count (the count is a
+// compile-time constant: the per-token sums live in registers).
+#define QMK_MULTI_ENTRY(T)                                                                       \
+    extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1) qmk_decode_multi_##T(const qmk::MultiParams m) { \
+        qmk::decode_multi<T>(m);                                                                  \
+    }
+#if QMK_MT_MAX_TOKENS >= 2
+QMK_MULTI_ENTRY(2)
+#endif
+#if QMK_MT_MAX_TOKENS >= 3
+QMK_MULTI_ENTRY(3)
+#endif
+#if QMK_MT_MAX_TOKENS >= 4
+QMK_MULTI_ENTRY(4)
+#endif
+#if QMK_MT_MAX_TOKENS >= 5
+QMK_MULTI_ENTRY(5)
+#endif
+#if QMK_MT_MAX_TOKENS >= 6
+QMK_MULTI_ENTRY(6)
+#endif
+#if QMK_MT_MAX_TOKENS >= 7
+QMK_MULTI_ENTRY(7)
+#endif
+#if QMK_MT_MAX_TOKENS >= 8
+QMK_MULTI_ENTRY(8)
+#endif

@@ -49,6 +49,11 @@ pub const PAIR_BATCH_MOST: u64 = 10;
 /// rows (`qmk::kStageVectors`, rendered as `QMK_STAGE_VECTORS`).
 pub const STAGE_VECTORS: u64 = 4;
 
+/// Shared memory the multi-token step keeps back from the arch's per-CTA
+/// maximum for its static shared memory (barrier flags, reductions, the
+/// split attention's mbarriers), bytes.
+pub const MULTI_STATIC_SMEM: u32 = 4096;
+
 /// Shared memory, floats, that the decode weight phases need to stage their
 /// first rows before their prologues (`stage_first_unit` and
 /// `stage_norm_weight` in kernels/cuda/decode): the phase's activation
@@ -132,12 +137,36 @@ impl KernelBuild {
 
     /// The NVRTC options that depend on the arch: the split attention's
     /// ring depth and the shared memory it sizes (`QMK_ATTN_RING`,
-    /// `QMK_SMEM_FLOATS`).
+    /// `QMK_SMEM_FLOATS`), and the multi-token step's shared memory and
+    /// largest token count (`QMK_MT_SMEM_FLOATS`, `QMK_MT_MAX_TOKENS`).
     pub fn arch_options(&self, arch: crate::Arch) -> Vec<String> {
         vec![
             format!("-DQMK_ATTN_RING={}", attn_ring(arch)),
             format!("-DQMK_SMEM_FLOATS={}", self.smem_for(arch) / 4),
+            format!("-DQMK_MT_SMEM_FLOATS={}", self.multi_smem_for(arch) / 4),
+            format!("-DQMK_MT_MAX_TOKENS={}", self.multi_max_tokens(arch)),
         ]
+    }
+
+    /// Dynamic shared memory per CTA of the multi-token step on `arch`,
+    /// bytes: all the arch offers one CTA but [`MULTI_STATIC_SMEM`] for the
+    /// kernel's static shared memory, and never less than the one-token
+    /// step's (it runs the same attention).
+    pub fn multi_smem_for(&self, arch: crate::Arch) -> u32 {
+        let all = arch.max_smem_per_cta().saturating_sub(MULTI_STATIC_SMEM) / 128 * 128;
+        all.max(self.smem_for(arch))
+    }
+
+    /// The most tokens one multi-token step takes on `arch`: T normed
+    /// activation vectors `[H]` f32 must fit its shared memory
+    /// ([`KernelBuild::multi_smem_for`]), and at most
+    /// [`crate::params::MULTI_MAX_TOKENS`]. Below 2 there is no multi-token
+    /// step (its entries are not compiled).
+    pub fn multi_max_tokens(&self, arch: crate::Arch) -> u32 {
+        let h = self.config.hidden_size as u64;
+        let stride = h.div_ceil(32) * 32;
+        let fit = u64::from(self.multi_smem_for(arch) / 4) / stride.max(1);
+        fit.min(u64::from(crate::params::MULTI_MAX_TOKENS)) as u32
     }
 
     /// Dynamic shared memory of the prefill kernel as compiled for `arch`.
@@ -443,6 +472,27 @@ mod tests {
     }
 
     #[test]
+    fn the_multi_token_step_takes_what_shared_memory_holds() {
+        use crate::Arch;
+        let tokens = |preset: &str, arch| {
+            let b = KernelBuild::new(&Config::preset(preset).unwrap()).unwrap();
+            assert!(
+                b.multi_smem_for(arch) >= b.smem_for(arch),
+                "{preset} {arch}"
+            );
+            assert_eq!(b.multi_smem_for(arch) % 128, 0, "{preset} {arch}");
+            b.multi_max_tokens(arch)
+        };
+        // sm_90: 227 KB less 4 KB, 57,088 floats.
+        assert_eq!(tokens("0.5b", Arch::SM90), 8);
+        assert_eq!(tokens("7b", Arch::SM90), 8);
+        assert_eq!(tokens("32b", Arch::SM90), 8); // [5,120]: 11 would fit
+        assert_eq!(tokens("72b", Arch::SM90), 6); // [8,192]: 6.97
+        assert_eq!(tokens("7b", Arch::SM89), 6); // 24,320 / 3,584
+        assert_eq!(tokens("14b", Arch::SM80), 7); // 40,704 / 5,120
+    }
+
+    #[test]
     fn the_decode_shared_memory_follows_the_arch() {
         use crate::Arch;
         // 7B: the activation vector [18,944] f32 on sm_80 / sm_89 and below;
@@ -452,9 +502,16 @@ mod tests {
         assert_eq!(b.smem_for(Arch::SM89), 18_944 * 4);
         assert_eq!(b.smem_for(Arch::SM90), (7 * 128 + 16 * 16 * 32 * 4) * 4);
         assert_eq!(b.smem_for(Arch::SM80), b.smem_for(Arch::SM90));
+        // The multi-token step: sm_89's 99 KB less its static reserve,
+        // 24,320 floats, six normed vectors [3,584].
         assert_eq!(
             b.arch_options(Arch::SM89),
-            ["-DQMK_ATTN_RING=8", "-DQMK_SMEM_FLOATS=18944"]
+            [
+                "-DQMK_ATTN_RING=8",
+                "-DQMK_SMEM_FLOATS=18944",
+                "-DQMK_MT_SMEM_FLOATS=24320",
+                "-DQMK_MT_MAX_TOKENS=6"
+            ]
         );
         // The ring never pushes a preset past its arch's limit: it fits
         // wherever its activation vector does (32B's and 72B's [I] f32 are

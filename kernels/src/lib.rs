@@ -32,12 +32,13 @@ pub use compile::{
 pub use error::{KernelsError, Result};
 pub use header::{
     attn_ring, batch_vectors, decode_stage_floats, prefill_smem_bytes, prefill_smem_bytes_wgmma,
-    KernelBuild, ATTN_TILE, PAIR_BATCH_MOST, PREFILL_GEMM_TILE, PREFILL_WGMMA_TILE, STAGE_VECTORS,
-    STREAM_K_TILE_ELEMS, WARPS_PER_CTA,
+    KernelBuild, ATTN_TILE, MULTI_STATIC_SMEM, PAIR_BATCH_MOST, PREFILL_GEMM_TILE,
+    PREFILL_WGMMA_TILE, STAGE_VECTORS, STREAM_K_TILE_ELEMS, WARPS_PER_CTA,
 };
 pub use nvrtc::Nvrtc;
 pub use params::{
-    HostStatus, KernelParams, PrefillParams, ProbeFillParams, ProbeParams, StreamParams, SyncState,
-    FLAG_ATTN_FORCE_SPLIT, FLAG_ATTN_NO_SPLIT, FLAG_DEBUG_HANG, FLAG_DEBUG_OOB, FLAG_PF_MMA_SYNC,
-    FLAG_PF_NO_STREAM_K, FLAG_TOKEN_FROM_ARGMAX, MAX_CHUNKS, SKIP_SHIFT, THREADS_PER_CTA,
+    HostStatus, KernelParams, MultiParams, PrefillParams, ProbeFillParams, ProbeParams,
+    StreamParams, SyncState, FLAG_ATTN_FORCE_SPLIT, FLAG_ATTN_NO_SPLIT, FLAG_DEBUG_HANG,
+    FLAG_DEBUG_OOB, FLAG_PF_MMA_SYNC, FLAG_PF_NO_STREAM_K, FLAG_TOKEN_FROM_ARGMAX, MAX_CHUNKS,
+    MULTI_MAX_TOKENS, SKIP_SHIFT, THREADS_PER_CTA,
 };

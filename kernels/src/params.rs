@@ -214,6 +214,53 @@ pub struct PrefillParams {
     pub reserved: u32,
 }
 
+/// Most tokens of one multi-token step (`qmk::kMultiMaxTokens`).
+pub const MULTI_MAX_TOKENS: u32 = 8;
+
+/// Multi-token step parameters (`qmk::MultiParams`, entries
+/// `qmk_decode_multi_T`): one launch processes positions `start..start + T`
+/// of one sequence, T = `n_tokens`. `base` is a decode parameter block
+/// (weights, caches, rope, sync, status, spin budget, flags, eps; the last
+/// pick also goes to `base.argmax_out`); each token has its own activation,
+/// logits, partial and split-attention buffers here.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct MultiParams {
+    /// Decode parameter block shared with the step (`pos`, `token` and the
+    /// per-step buffers unused).
+    pub base: KernelParams,
+    /// Residual streams, f32 `[T, H]` (device address).
+    pub x: u64,
+    /// Rotated queries, f32 `[T, Q]` (device address).
+    pub q: u64,
+    /// Attention outputs, f32 `[T, Q]` (device address).
+    pub attn: u64,
+    /// MLP hidden activations, f32 `[T, I]` (device address).
+    pub mlp_h: u64,
+    /// Logits, f32 `[T, V]` (device address).
+    pub logits: u64,
+    /// Per-CTA max logit, f32 `[T, grid]` (device address).
+    pub partial_val: u64,
+    /// Its index, u32 `[T, grid]` (device address).
+    pub partial_idx: u64,
+    /// Split-attention scratch, u32 `[T, part_words]`, each token's laid
+    /// out as [`KernelParams::attn_part`] (device address).
+    pub attn_part: u64,
+    /// u32 words per token in `attn_part` (a multiple of 4).
+    pub part_words: u64,
+    /// Greedy picks, u32 `[T]` (device address).
+    pub picks: u64,
+    /// Input tokens; the first T are used.
+    pub tokens: [u32; MULTI_MAX_TOKENS as usize],
+    /// T, 2 ..= the arch's [`crate::KernelBuild::multi_max_tokens`]; the
+    /// entry launched must be `qmk_decode_multi_T`.
+    pub n_tokens: u32,
+    /// Position of `tokens[0]`.
+    pub start: u32,
+    /// Padding; zero.
+    pub reserved: [u32; 2],
+}
+
 /// Grid-barrier state in device memory (`qmk::SyncState`); zeroed on reset.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
@@ -456,6 +503,31 @@ pub fn params_check_header() -> String {
         PrefillParams,
         [tokens, act, xa, qkv, qb, hb, sk, n_tokens, start, max_tokens, reserved]
     );
+    out.push_str(&format!(
+        "static_assert(qmk::kMultiMaxTokens == {MULTI_MAX_TOKENS}u, \"multi-token maximum differs\");\n"
+    ));
+    check_struct!(
+        out,
+        "qmk::MultiParams",
+        "MultiParams",
+        MultiParams,
+        [
+            x,
+            q,
+            attn,
+            mlp_h,
+            logits,
+            partial_val,
+            partial_idx,
+            attn_part,
+            part_words,
+            picks,
+            tokens[0],
+            n_tokens,
+            start,
+            reserved[0]
+        ]
+    );
     out.push_str(
         "static_assert(qmk::kPhasePfNorm == 8u && qmk::kPhasePfDown == 15u, \"prefill phases differ\");\n",
     );
@@ -572,6 +644,12 @@ mod tests {
         );
         assert!(size_of::<PrefillParams>() <= 4096);
         assert_eq!(offset_of!(PrefillParams, base), 0);
+        assert_eq!(
+            size_of::<MultiParams>(),
+            size_of::<KernelParams>() + 10 * 8 + (MULTI_MAX_TOKENS as usize + 4) * 4
+        );
+        assert!(size_of::<MultiParams>() <= 4096);
+        assert_eq!(offset_of!(MultiParams, base), 0);
     }
 
     #[test]

@@ -37,6 +37,7 @@ pub const HEADERS: &[(&str, &str)] = headers!(
     "decode/mlp.cuh",
     "decode/lm_head.cuh",
     "decode/argmax.cuh",
+    "decode/multi.cuh",
     "probes/stream.cuh",
     "probes/trap_probe.cuh",
     "prefill/mma.cuh",
@@ -60,6 +61,13 @@ pub mod entry {
     /// One prompt chunk (`qmk::PrefillParams`), tensor cores,
     /// `prefill/chunk.cuh`.
     pub const PREFILL_CHUNK: &str = "qmk_prefill_chunk";
+    /// The multi-token step for `t` tokens (`qmk::MultiParams`),
+    /// `decode/multi.cuh`: `qmk_decode_multi_2` ..
+    /// `qmk_decode_multi_8`, those up to
+    /// [`crate::KernelBuild::multi_max_tokens`] for the arch.
+    pub fn decode_multi(t: u32) -> String {
+        format!("qmk_decode_multi_{t}")
+    }
     /// The streaming-read bandwidth floor (`qmk::StreamParams`),
     /// `probes/stream.cuh`.
     pub const STREAM_READ: &str = "qmk_stream_read";

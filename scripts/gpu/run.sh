@@ -12,7 +12,7 @@
 #               (without the 7B 3,000-token prefill case, whose CPU reference
 #               takes minutes; FULL=1 runs it)
 #   test-NAME   one GPU test program (gpu, long_context, prefill, faults,
-#               endurance, scale, speculative), e.g. `test-faults`
+#               endurance, scale, speculative, multi_token), e.g. `test-faults`
 #   checksums   per-step logit checksums at 0.5B, 7B and 14B, both drivers; written
 #               to $OUT/checksums.txt and compared against the recorded file
 #   bench       qwen-mk bench: decode 0.5B / 7B / 14B (short context), 7B at
@@ -50,6 +50,11 @@
 #               CTA busy time, barriers); PROFILE_ROWS="name=bench args;..."
 #               replaces the rows (e.g. "7b-32k=--preset 7b --context 32768");
 #               PROFILE_ALTS=1 profiles the variant binaries too
+#   multicost   the multi-token step's cost table: qwen-mk bench
+#               --multi-tokens at 0.5B, 7B, 14B and 32B (T = 1 .. the
+#               device's most, us per launch and one-token steps);
+#               MULTI_ROWS="name=bench args;..." replaces the rows;
+#               MULTI_ALTS=1 times the variant binaries too
 #   hf          Hugging Face transformers eager on the same shapes
 #               (scripts/gpu/hf_side_by_side.py)
 #   goldens     the real 0.5B weights (as `real`): only transformers' plain
@@ -62,13 +67,13 @@
 #               rotary table), then the real_weights test program: plain
 #               goldens, YaRN goldens, YaRN at 40,000 positions vs the CPU
 #               reference fed the GPU's cache
-#   speculate   the real 0.5B weights (as `real`): the speculative test
-#               program with them (goldens, ngram and the 0.5B drafting for
-#               itself, both drivers), then qwen-mk bench --prompts
+#   speculate   the real 0.5B weights (as `real`): qwen-mk bench --prompts
 #               benches/prompts/code-edit.jsonl, plain against prompt-lookup
 #               decoding (every step verifying 7 guesses: --speculate-always)
 #               on both drivers, then the adaptive rule's choice (auto); fails
-#               if a greedy output differs
+#               if a greedy output differs; then the speculative test program
+#               with them (goldens, ngram and the 0.5B drafting for itself,
+#               both drivers)
 #   serve       the real 0.5B weights (as `real`): the openai client suite
 #               (crates/cli/tests/serve_openai.py) against `qwen-mk serve` on
 #               both drivers, with the wheels carried in bin.tar.xz; then
@@ -88,7 +93,7 @@ CARRY=${CARRY:-$ROOT/.carry/gpu}
 # GPU test programs: package:test-target.
 TEST_PROGRAMS=${TEST_PROGRAMS:-"qmk-gpu-tests:gpu qmk-gpu-tests:long_context qmk-gpu-tests:prefill
   qmk-gpu-tests:faults qmk-gpu-tests:endurance qmk-gpu-tests:scale qmk-gpu-tests:checksums
-  qmk-gpu-tests:real_weights qmk-gpu-tests:speculative"}
+  qmk-gpu-tests:real_weights qmk-gpu-tests:speculative qmk-gpu-tests:multi_token"}
 
 if [[ ${1:-} == build ]]; then
   set -e
@@ -289,6 +294,22 @@ for step in $STEPS; do
         # shellcheck disable=SC2086
         bench "table-${row%%=*}" qwen-mk ${row#*=}
       done ;;
+    multicost)
+      IFS=';' read -ra rows <<< "${MULTI_ROWS:-0.5b=--preset 0.5b;7b=--preset 7b;14b=--preset 14b;32b=--preset 32b}"
+      for v in qwen-mk ${MULTI_ALTS:+$ALTS}; do
+        for row in "${rows[@]}"; do
+          # shellcheck disable=SC2086
+          bench "multi-${row%%=*}$([[ $v == qwen-mk ]] || echo "-$v")" $v ${row#*=} --multi-tokens --steps 32
+        done
+      done
+      python3 - "$LOG/bench.jsonl" <<'EOF' | tee "$OUT/multicost.txt"
+import json, sys
+for line in open(sys.argv[1]):
+    o = json.loads(line)
+    if o["run"].startswith("multi-") and "multi_tokens" in o:
+        print(o["run"], o["context"], " ".join(f'T{r["tokens"]}={r["us"]:.1f}us/{r["steps"]:.3f}' for r in o["multi_tokens"]))
+EOF
+      ;;
     profile)
       IFS=';' read -ra rows <<< "${PROFILE_ROWS:-0.5b=--preset 0.5b;7b=--preset 7b;14b=--preset 14b}"
       for v in qwen-mk ${PROFILE_ALTS:+$ALTS}; do
@@ -320,12 +341,12 @@ EOF
     speculate)
       real_model speculate || continue
       P=$ROOT/benches/prompts/code-edit.jsonl
-      QMK_REAL_QWEN=$R run_tests test-speculative 400
       for d in cudarc cust; do
         bench "speculate-ngram-$d" qwen-mk --model "$R" --backend $d --prompts "$P" \
           --speculate ngram --speculate-always
       done
-      bench speculate-auto-cudarc qwen-mk --model "$R" --backend cudarc --prompts "$P" ;;
+      bench speculate-auto-cudarc qwen-mk --model "$R" --backend cudarc --prompts "$P"
+      QMK_REAL_QWEN=$R run_tests test-speculative 400 ;;
     goldens)
       real_model goldens || continue
       QMK_REAL_QWEN=$R QMK_GOLDENS=$GOLDEN/qwen2.5-coder-0.5b-instruct.jsonl \

@@ -100,6 +100,11 @@ pub struct BenchArgs {
     /// attention's parts where it runs.
     #[arg(long)]
     profile: bool,
+    /// Also time the multi-token step (the verify step of speculative
+    /// decoding) for every T the device takes, at the same positions: us
+    /// per launch and its cost in one-token steps.
+    #[arg(long)]
+    multi_tokens: bool,
     /// Timed steps of each profile variant (median reported).
     #[arg(long, default_value_t = 64, allow_negative_numbers = true,
           value_parser = whole::<usize>(1..=MAX_STEPS))]
@@ -461,10 +466,40 @@ fn decode<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>) -> Result<()> {
         } else {
             (Vec::new(), None)
         };
+        let multi = if a.multi_tokens {
+            backend.bench_multi(&bench_options(a, context, 0))?
+        } else {
+            Vec::new()
+        };
         let load = Load::of(a, backend);
         print(&report_text(a, &r, &l, &profile, timeline.as_ref(), &load))?;
+        if !multi.is_empty() {
+            print(&multi_text(a, context, &multi))?;
+        }
     }
     Ok(())
+}
+
+/// The multi-token step's cost per T (`--multi-tokens`): a line each, or
+/// one JSON object with `--json`.
+fn multi_text(a: &BenchArgs, context: usize, multi: &[(usize, f64)]) -> String {
+    let one = multi.first().map_or(1.0, |&(_, us)| us);
+    if a.json {
+        let rows: Vec<_> = multi
+            .iter()
+            .map(|&(t, us)| serde_json::json!({"tokens": t, "us": us, "steps": us / one}))
+            .collect();
+        let v = serde_json::json!({"run": a.label(), "context": context, "multi_tokens": rows});
+        return format!("{v}\n");
+    }
+    let mut s = format!(
+        "multi-token step, {} at {context} positions (median us per launch):\n",
+        a.label()
+    );
+    for &(t, us) in multi {
+        s += &format!("  T = {t}: {us:9.1} us = {:.3} one-token steps\n", us / one);
+    }
+    s
 }
 
 /// The JSON object of one decode bench.

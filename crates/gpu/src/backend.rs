@@ -3,11 +3,11 @@
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
-use qmk_engine::{Backend, BackendKind, StepOutput};
+use qmk_engine::{Backend, BackendKind, MultiStep, MultiStepOutput, StepOutput};
 use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG, FLAG_DEBUG_OOB};
 use qmk_kernels::{
-    source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, PrefillParams, Resources,
-    ATTN_TILE, THREADS_PER_CTA,
+    source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, MultiParams, PrefillParams,
+    Resources, ATTN_TILE, THREADS_PER_CTA,
 };
 use qmk_model::{Config, Weights};
 
@@ -16,8 +16,9 @@ use crate::driver::{device_info, DeviceMemory, Driver, LaunchShape, TensorMap2d}
 use crate::error::{Error, Result};
 use crate::options::{DeviceInfo, Options, Progress, ABORT_GRACE};
 use crate::plan::{
-    base_params, clamp_prefill_chunk, duration_ns, prefill_chunks, prefill_launch_params,
-    set_buffer, set_prefill_buffer, Buffer, LaunchInfo, MemoryPlan, KV_MAPS_BYTES,
+    base_params, clamp_prefill_chunk, duration_ns, multi_part_words, prefill_chunks,
+    prefill_launch_params, set_buffer, set_multi_buffer, set_prefill_buffer, Buffer, LaunchInfo,
+    MemoryPlan, KV_MAPS_BYTES,
 };
 use crate::staging::{planned_chunks, tie_embeddings, WeightSource, UPLOAD_PIECE_BYTES};
 use crate::status::StatusBlock;
@@ -39,6 +40,76 @@ pub(crate) struct Prefill<D: Driver> {
     pub scratch: PrefillParams,
     pub chunk: u32,
 }
+
+/// The multi-token step ([`Backend::step_many`]): its kernels for T = 2 ..=
+/// `max_tokens`, their dynamic shared memory, and a parameter block with
+/// its buffers set. Launched on the decode step's grid (the split
+/// attention's blocks per head follow the grid, and must be the one-token
+/// step's for the same bits).
+pub(crate) struct Multi<D: Driver> {
+    /// `funcs[T - 2]` is `qmk_decode_multi_T`.
+    pub funcs: Vec<D::Function>,
+    pub smem: u32,
+    pub scratch: MultiParams,
+    pub max_tokens: u32,
+}
+
+/// Running means of what one launch of each kind cost, wall time from the
+/// launch to the end of its wait: what [`Backend::step_many_position_cost`]
+/// reports.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct StepCosts {
+    /// (launches, mean seconds) of one-token steps.
+    single: (u64, f64),
+    /// (launches, mean seconds) of multi-token steps, by T (index T).
+    multi: Vec<(u64, f64)>,
+}
+
+impl StepCosts {
+    /// Weight of a new sample once a mean has this many: later samples move
+    /// it as an exponential mean, so it follows a changing context length.
+    const WINDOW: u64 = 64;
+
+    fn add(slot: &mut (u64, f64), secs: f64) {
+        slot.0 += 1;
+        let n = slot.0.min(Self::WINDOW) as f64;
+        slot.1 += (secs - slot.1) / n;
+    }
+
+    fn single(&mut self, secs: f64) {
+        Self::add(&mut self.single, secs);
+    }
+
+    fn multi(&mut self, t: usize, secs: f64) {
+        if self.multi.len() <= t {
+            self.multi.resize(t + 1, (0, 0.0));
+        }
+        Self::add(&mut self.multi[t], secs);
+    }
+
+    /// Cost of each position after the first as a fraction of a one-token
+    /// step, weighted by how often each T ran; `None` before both kinds
+    /// have run.
+    fn position_cost(&self) -> Option<f64> {
+        if self.single.0 == 0 || self.single.1 <= 0.0 {
+            return None;
+        }
+        let (mut w, mut sum) = (0.0, 0.0);
+        for (t, &(n, secs)) in self.multi.iter().enumerate() {
+            if t >= 2 && n > 0 {
+                let c = (secs / self.single.1 - 1.0) / (t - 1) as f64;
+                sum += n as f64 * c.max(0.0);
+                w += n as f64;
+            }
+        }
+        (w > 0.0).then(|| sum / w)
+    }
+}
+
+/// [`Backend::step_many_position_cost`] before the backend has timed both
+/// kinds of step: the multi-token step's cost per extra position measured
+/// on an H200 at 0.5B (`docs/performance.md`, the multi-token cost table).
+pub const DEFAULT_POSITION_COST: f64 = 0.25;
 
 /// The megakernel engine on one GPU: weights, KV cache, scratch and the
 /// loaded cubin, driven through the binding `D`. Implements
@@ -67,6 +138,11 @@ pub struct GpuBackend<D: Driver> {
     /// while the weights uploaded.
     compile_time: Duration,
     pub(crate) prefill: Option<Prefill<D>>,
+    pub(crate) multi: Option<Multi<D>>,
+    costs: StepCosts,
+    /// Device address of the last step's logits `[V]` f32 (the one-token
+    /// buffer, or a row of the multi-token step's).
+    last_logits: u64,
     // Field order is drop order: the stream first, the context last.
     pub(crate) stream: D::Stream,
     pub(crate) status: StatusBlock<D>,
@@ -411,6 +487,36 @@ impl<D: Driver> GpuBackend<D> {
             }
         };
 
+        // The multi-token step, where the arch fits at least two tokens and
+        // every T runs on the decode grid.
+        let multi_fns = {
+            let (max, smem) = (
+                build.multi_max_tokens(info.arch),
+                build.multi_smem_for(info.arch),
+            );
+            let mut fs = Vec::new();
+            if max >= 2 && smem <= info.max_smem_optin {
+                for t in 2..=max {
+                    let f = get(&entry::decode_multi(t))?;
+                    let l = launch_shape(
+                        &driver,
+                        f,
+                        smem,
+                        info.sms,
+                        Some(launch.ctas_per_sm),
+                        &device_name,
+                        "multi-token",
+                    )?;
+                    if l.grid != launch.grid {
+                        fs.clear();
+                        break;
+                    }
+                    fs.push(f);
+                }
+            }
+            (!fs.is_empty()).then_some((fs, smem))
+        };
+
         // The exact plan for the grid the occupancy API gave.
         let memory = MemoryPlan::new(&config, capacity, launch.grid, prefill_chunk)?;
         check_free(&config, capacity, &memory, info.free_mem)?;
@@ -477,6 +583,19 @@ impl<D: Driver> GpuBackend<D> {
             }
             _ => None,
         };
+        let mut mscratch: MultiParams = bytemuck::Zeroable::zeroed();
+        for &(b, bytes) in &memory.multi {
+            let buf = alloc(&driver, bytes, b.name(), true)?;
+            set_multi_buffer(&mut mscratch, b, buf.addr());
+            buffers.push(buf);
+        }
+        mscratch.part_words = multi_part_words(&config, launch.grid)?;
+        let multi = multi_fns.map(|(funcs, smem)| Multi {
+            max_tokens: funcs.len() as u32 + 1,
+            funcs,
+            smem,
+            scratch: mscratch,
+        });
         // Pageable uploads may return before their last DMA lands.
         driver
             .synchronize()
@@ -501,6 +620,9 @@ impl<D: Driver> GpuBackend<D> {
             upload: uploaded,
             compile_time,
             prefill,
+            multi,
+            costs: StepCosts::default(),
+            last_logits: logits.addr(),
             stream,
             status,
             sync,
@@ -601,6 +723,13 @@ impl<D: Driver> GpuBackend<D> {
     pub fn set_prefill_min_tokens(&mut self, n: usize) {
         self.opts.prefill_min_tokens = n;
     }
+    /// The most positions one multi-token step ([`Backend::step_many`])
+    /// takes in one launch on this device; 0 where it is not available
+    /// (every run then goes one step per position).
+    pub fn multi_max_tokens(&self) -> usize {
+        self.multi.as_ref().map_or(0, |m| m.max_tokens as usize)
+    }
+
     /// The prefill kernel's launch shape and chunk size, when enabled
     /// ([`Options::prefill_chunk`]).
     pub fn prefill_launch(&self) -> Option<(LaunchInfo, u32)> {
@@ -704,6 +833,7 @@ impl<D: Driver> GpuBackend<D> {
             reason: "does not fit the kernel's 32-bit position".into(),
         })?;
         self.params.flags = flags | self.debug_flags;
+        self.last_logits = self.logits.addr();
         let mut p = self.params;
         let (f, grid, smem) = (self.funcs.step, self.launch.grid, self.launch.smem_bytes);
         // SAFETY: qmk_decode_step takes one KernelParams by value; every
@@ -720,6 +850,7 @@ impl<D: Driver> GpuBackend<D> {
             });
         };
         let (func, launch) = (pf.func, pf.launch);
+        self.last_logits = self.logits.addr();
         let mut p = prefill_launch_params(
             &self.config,
             &self.params,
@@ -927,6 +1058,95 @@ impl<D: Driver> GpuBackend<D> {
         self.wait(&ev, deadline)
     }
 
+    /// Queues one multi-token launch (no wait): `tokens` (2 ..= max_tokens)
+    /// at positions `start..`, checked by the caller against the cache.
+    pub(crate) fn launch_multi(&mut self, tokens: &[u32], start: usize) -> Result<()> {
+        let t = tokens.len();
+        let Some(m) = self
+            .multi
+            .as_ref()
+            .filter(|m| (2..=m.max_tokens as usize).contains(&t))
+        else {
+            return Err(Error::Option {
+                field: "step_many",
+                reason: format!(
+                    "{t} positions in one multi-token launch; this device takes 2..={}",
+                    self.multi_max_tokens()
+                ),
+            });
+        };
+        let func = m.funcs[t - 2];
+        let (smem, grid) = (m.smem, self.launch.grid);
+        let mut p = m.scratch;
+        p.base = self.params;
+        p.base.flags = self.debug_flags;
+        p.tokens[..t].copy_from_slice(tokens);
+        p.n_tokens = t as u32;
+        p.start = u32::try_from(start).map_err(|_| Error::Position {
+            pos: start,
+            reason: "does not fit the kernel's 32-bit position".into(),
+        })?;
+        // SAFETY: qmk_decode_multi_T takes one MultiParams by value with
+        // n_tokens = T; every address in it is a live allocation of self.
+        unsafe {
+            self.launch_cooperative(
+                func,
+                grid,
+                smem,
+                &mut p,
+                "cuLaunchCooperativeKernel (multi-token)",
+            )
+        }
+    }
+
+    /// One multi-token launch: `tokens` (2 ..= max_tokens, checked) at
+    /// positions `start..`, then its picks (and logits) appended to `out`.
+    fn multi_step(
+        &mut self,
+        tokens: &[u32],
+        start: usize,
+        logits: bool,
+        out: &mut MultiStepOutput,
+    ) -> Result<()> {
+        let Some(m) = self.multi.as_ref() else {
+            return Err(Error::Option {
+                field: "step_many",
+                reason: "the multi-token step is not available on this device".into(),
+            });
+        };
+        let t = tokens.len();
+        let v = self.config.vocab_size as u64;
+        let (picks_at, logits_at) = (m.scratch.picks, m.scratch.logits);
+        let ev = self.new_event()?;
+        let t0 = Instant::now();
+        self.launch_multi(tokens, start)?;
+        self.record(&ev)?;
+        self.wait(&ev, self.deadline_of(t))?;
+        self.costs.multi(t, t0.elapsed().as_secs_f64());
+        self.next_pos = start + t;
+        self.last_logits = logits_at + (t as u64 - 1) * v * 4;
+        let mut picks = vec![0u32; t];
+        // SAFETY: picks holds MULTI_MAX_TOKENS >= t u32; the launch is done.
+        let r = unsafe {
+            self.driver
+                .dtoh(bytemuck::cast_slice_mut(&mut picks), picks_at)
+        };
+        r.map_err(|c| self.fail("cuMemcpyDtoH (multi-token picks)", c))?;
+        out.argmax.extend_from_slice(&picks);
+        if logits {
+            let mut l = vec![0f32; t * v as usize];
+            // SAFETY: the logits buffer holds MULTI_MAX_TOKENS >= t rows of
+            // vocab f32; the launch is done.
+            let r = unsafe {
+                self.driver
+                    .dtoh(bytemuck::cast_slice_mut(&mut l), logits_at)
+            };
+            r.map_err(|c| self.fail("cuMemcpyDtoH (multi-token logits)", c))?;
+            out.logits.extend_from_slice(&l);
+        }
+        Ok(())
+    }
+
     /// Decode steps for a whole prompt, launched back to back, one wait at
     /// the end (no host round trip between positions). A kernel error in
     /// any step is the first one reported: later steps see the claimed
@@ -957,9 +1177,11 @@ impl<D: Driver> Backend for GpuBackend<D> {
         self.usable()?;
         self.check_inputs(token, pos)?;
         let ev = self.new_event()?;
+        let t0 = Instant::now();
         self.launch_step(token, pos, 0)?;
         self.record(&ev)?;
         self.wait(&ev, self.opts.step_deadline)?;
+        self.costs.single(t0.elapsed().as_secs_f64());
         self.next_pos = pos + 1;
         Ok(StepOutput {
             argmax: self.last_argmax,
@@ -985,13 +1207,49 @@ impl<D: Driver> Backend for GpuBackend<D> {
         })
     }
 
+    /// Runs of 2 ..= [`GpuBackend::multi_max_tokens`] positions go to the
+    /// multi-token kernel in one launch (longer runs in consecutive
+    /// launches of at most that many, a lone last position as a one-token
+    /// step); every token and position is checked before the first launch.
+    fn step_many(&mut self, run: MultiStep<'_>) -> Result<MultiStepOutput> {
+        self.usable()?;
+        let (tokens, start) = (run.tokens(), run.start());
+        self.check_prompt(tokens, start)?;
+        let max = self.multi_max_tokens().max(1);
+        let mut out = MultiStepOutput {
+            argmax: Vec::with_capacity(tokens.len()),
+            logits: Vec::new(),
+        };
+        for (i, part) in tokens.chunks(max).enumerate() {
+            let at = start + i * max;
+            if part.len() == 1 {
+                out.argmax.push(self.step(part[0], at)?.argmax);
+                if run.wants_logits() {
+                    out.logits.extend(self.logits()?);
+                }
+            } else {
+                self.multi_step(part, at, run.wants_logits(), &mut out)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Measured as the backend runs (wall time per launch, both kinds);
+    /// [`DEFAULT_POSITION_COST`] until both have run.
+    fn step_many_position_cost(&self) -> f64 {
+        if self.multi.is_none() {
+            return 1.0;
+        }
+        self.costs.position_cost().unwrap_or(DEFAULT_POSITION_COST)
+    }
+
     fn logits(&mut self) -> Result<Vec<f32>> {
         self.usable()?;
         let mut v = vec![0f32; self.config.vocab_size];
         let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut v);
-        // SAFETY: the logits buffer holds vocab f32 (at least 16 bytes); the
-        // last step has completed.
-        let r = unsafe { self.driver.dtoh(bytes, self.logits.addr()) };
+        // SAFETY: last_logits is a logits row of vocab f32 (at least 16
+        // bytes) in a live buffer; the last step has completed.
+        let r = unsafe { self.driver.dtoh(bytes, self.last_logits) };
         r.map_err(|c| self.fail("cuMemcpyDtoH (logits)", c))?;
         Ok(v)
     }

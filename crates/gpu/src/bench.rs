@@ -336,6 +336,48 @@ impl<D: Driver> GpuBackend<D> {
         Ok(out)
     }
 
+    /// What one launch of the multi-token step costs for each T = 1 ..=
+    /// [`GpuBackend::multi_max_tokens`] (T = 1: the one-token step): at the
+    /// positions of `opts` (KV filled first when they do not start at 0),
+    /// `warmup + steps` launches of each T back to back, each rewriting
+    /// positions `first..first + T` with `opts.first_token`, timed per
+    /// launch with events; median us per launch, by T.
+    pub fn bench_multi(&mut self, opts: &BenchOptions) -> Result<Vec<(usize, f64)>> {
+        let (first, _) = self.start_bench(opts)?;
+        let max = self.multi_max_tokens().max(1);
+        if first + max > self.capacity {
+            return Err(Error::Option {
+                field: "context",
+                reason: format!("{max} positions from {first} do not fit the KV cache"),
+            });
+        }
+        let total = opts.warmup + opts.steps;
+        let mut out = Vec::with_capacity(max);
+        for t in 1..=max {
+            let tokens = vec![opts.first_token; t];
+            let evs = (0..=total)
+                .map(|_| self.new_event())
+                .collect::<Result<Vec<_>>>()?;
+            self.record(&evs[0])?;
+            for i in 0..total {
+                if t == 1 {
+                    self.launch_step(opts.first_token, first, opts.flags)?;
+                } else {
+                    self.launch_multi(&tokens, first)?;
+                }
+                self.record(&evs[i + 1])?;
+            }
+            self.wait(&evs[total], self.deadline_of(total * t))?;
+            let mut us = Vec::with_capacity(opts.steps);
+            for i in opts.warmup..total {
+                us.push(self.elapsed_ms(&evs[i], &evs[i + 1])? * 1e3);
+            }
+            out.push((t, median(&mut us)));
+        }
+        self.reset()?;
+        Ok(out)
+    }
+
     /// Greedy decode of `warmup + steps` positions back to back (the kernel
     /// feeds its own pick to the next step on the device), timed per step
     /// with events, then the floor. Resets the engine before and after.

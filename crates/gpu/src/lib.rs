@@ -37,7 +37,7 @@ mod status;
 pub mod trace;
 pub mod upload;
 
-pub use backend::GpuBackend;
+pub use backend::{GpuBackend, DEFAULT_POSITION_COST};
 pub use bench::MIN_STREAM_BYTES;
 pub use cuda::{cuda_error_name, describe_cubin, is_sticky, CudaCode};
 pub use driver::{

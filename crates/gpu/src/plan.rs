@@ -6,7 +6,7 @@ use std::mem::size_of;
 use std::time::Duration;
 
 use qmk_kernels::params::{ATTN_MARKS, ATTN_MAX_SPLITS, THREADS_PER_CTA};
-use qmk_kernels::{KernelParams, PrefillParams, SyncState};
+use qmk_kernels::{KernelParams, MultiParams, PrefillParams, SyncState, MULTI_MAX_TOKENS};
 use qmk_model::Config;
 
 use crate::error::{Error, Result};
@@ -157,6 +157,97 @@ pub enum PrefillBuffer {
     Hb,
     /// Stream-K scratch of the wgmma GEMM ([`stream_k_bytes`]).
     StreamK,
+}
+
+/// A buffer of the multi-token step ([`MultiParams`]), sized for
+/// [`MULTI_MAX_TOKENS`] tokens T.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MultiBuffer {
+    /// `[T, H]` f32 residual streams.
+    X,
+    /// `[T, Q]` f32 queries.
+    Q,
+    /// `[T, Q]` f32 attention outputs.
+    Attn,
+    /// `[T, I]` f32 MLP activations.
+    MlpH,
+    /// `[T, V]` f32 logits.
+    Logits,
+    /// `[T, G]` f32 per-CTA argmax values.
+    PartialVal,
+    /// `[T, G]` u32 per-CTA argmax indices.
+    PartialIdx,
+    /// `[T, W]` u32 split-attention scratch, W = [`multi_part_words`].
+    AttnPart,
+    /// `[T]` u32 greedy picks.
+    Picks,
+}
+
+impl MultiBuffer {
+    /// The field name in [`MultiParams`].
+    pub fn name(self) -> &'static str {
+        match self {
+            MultiBuffer::X => "multi-token x",
+            MultiBuffer::Q => "multi-token q",
+            MultiBuffer::Attn => "multi-token attn",
+            MultiBuffer::MlpH => "multi-token mlp_h",
+            MultiBuffer::Logits => "multi-token logits",
+            MultiBuffer::PartialVal => "multi-token partial_val",
+            MultiBuffer::PartialIdx => "multi-token partial_idx",
+            MultiBuffer::AttnPart => "multi-token attn_part",
+            MultiBuffer::Picks => "multi-token picks",
+        }
+    }
+}
+
+/// Points `buffer`'s field of `params` at device address `addr`.
+pub fn set_multi_buffer(params: &mut MultiParams, buffer: MultiBuffer, addr: u64) {
+    let field = match buffer {
+        MultiBuffer::X => &mut params.x,
+        MultiBuffer::Q => &mut params.q,
+        MultiBuffer::Attn => &mut params.attn,
+        MultiBuffer::MlpH => &mut params.mlp_h,
+        MultiBuffer::Logits => &mut params.logits,
+        MultiBuffer::PartialVal => &mut params.partial_val,
+        MultiBuffer::PartialIdx => &mut params.partial_idx,
+        MultiBuffer::AttnPart => &mut params.attn_part,
+        MultiBuffer::Picks => &mut params.picks,
+    };
+    *field = addr;
+}
+
+/// u32 words of one token's split-attention scratch in the multi-token step
+/// ([`MultiParams::part_words`]): [`attn_part_bytes`] rounded up to 16
+/// bytes, so every token's partials stay 16-byte aligned.
+pub fn multi_part_words(config: &Config, grid: u32) -> Result<u64> {
+    Ok(attn_part_bytes(config, grid)?.div_ceil(16) * 4)
+}
+
+/// The multi-token step's buffers for a grid of `grid` CTAs, T =
+/// [`MULTI_MAX_TOKENS`] rows each.
+pub fn multi_buffers(config: &Config, grid: u32) -> Result<Vec<(MultiBuffer, u64)>> {
+    let t = u64::from(MULTI_MAX_TOKENS);
+    let rows = |n: u64| {
+        mul(
+            mul(t, n, "a multi-token buffer")?,
+            4,
+            "a multi-token buffer",
+        )
+    };
+    Ok(vec![
+        (MultiBuffer::X, rows(config.hidden_size as u64)?),
+        (MultiBuffer::Q, rows(config.q_dim() as u64)?),
+        (MultiBuffer::Attn, rows(config.q_dim() as u64)?),
+        (MultiBuffer::MlpH, rows(config.intermediate_size as u64)?),
+        (MultiBuffer::Logits, rows(config.vocab_size as u64)?),
+        (MultiBuffer::PartialVal, rows(u64::from(grid))?),
+        (MultiBuffer::PartialIdx, rows(u64::from(grid))?),
+        (
+            MultiBuffer::AttnPart,
+            rows(multi_part_words(config, grid)?)?,
+        ),
+        (MultiBuffer::Picks, rows(1)?),
+    ])
 }
 
 /// Bytes of the stream-K scratch for a grid of `grid` CTAs: one f32 partial
@@ -354,6 +445,8 @@ pub struct MemoryPlan {
     /// The prefill kernel's scratch for a chunk of `prefill_chunk`
     /// positions, allocated after `buffers` (empty when prefill is off).
     pub prefill: Vec<(PrefillBuffer, u64)>,
+    /// The multi-token step's buffers ([`multi_buffers`]), allocated last.
+    pub multi: Vec<(MultiBuffer, u64)>,
     /// Everything together: what must be free on the device.
     pub total_bytes: u64,
 }
@@ -449,10 +542,12 @@ impl MemoryPlan {
                 (PrefillBuffer::StreamK, stream_k_bytes(grid)?),
             ];
         }
+        let multi = multi_buffers(config, grid)?;
         let total = buffers
             .iter()
             .map(|&(_, b)| b)
             .chain(prefill.iter().map(|&(_, b)| b))
+            .chain(multi.iter().map(|&(_, b)| b))
             .try_fold(wb.total.0, |a, b| a.checked_add(b))
             .ok_or_else(|| overflow("the device memory plan"))?;
         Ok(MemoryPlan {
@@ -463,6 +558,7 @@ impl MemoryPlan {
             rope_table_bytes: rope,
             buffers,
             prefill,
+            multi,
             total_bytes: total,
         })
     }

@@ -174,6 +174,34 @@ struct PrefillParams {
     u32 reserved;
 };
 
+// Most tokens of a multi-token step (MultiParams::tokens).
+constexpr u32 kMultiMaxTokens = 8u;
+
+// Multi-token step parameters (qmk_decode_multi_T, T = n_tokens), passed by
+// value like Params: positions start .. start + T - 1 of one sequence.
+// base: weights, KV cache, rope tables, sync, status, spin budget, flags
+// and eps exactly as for a decode step; the last token's pick also goes to
+// base.argmax_out. base's token, pos, activation, logits, partial and
+// split-attention buffers are unused: each token has its own below.
+struct MultiParams {
+    Params base;
+    u64 x;            // [T, H] f32 residual streams
+    u64 q;            // [T, Q] f32 rotated queries
+    u64 attn;         // [T, Q] f32 attention outputs
+    u64 mlp_h;        // [T, I] f32 silu(gate) * up
+    u64 logits;       // [T, V] f32
+    u64 partial_val;  // [T, grid] f32 per-CTA max logit
+    u64 partial_idx;  // [T, grid] u32 its index
+    u64 attn_part;    // [T, part_words] u32: each token's split-attention
+                      // scratch, laid out as Params::attn_part
+    u64 part_words;   // u32 words per token in attn_part (a multiple of 4)
+    u64 picks;        // [T] u32 greedy picks (device memory)
+    u32 tokens[kMultiMaxTokens];  // input tokens; the first T are used
+    u32 n_tokens;     // T
+    u32 start;        // position of tokens[0]
+    u32 reserved[2];
+};
+
 // Trap probe: reads element [l, rows-1, cols-1] of a stacked [layers, rows,
 // cols] bf16 tensor for every l, through chunk bases exactly as the
 // megakernel addresses weights (koff_t arithmetic).

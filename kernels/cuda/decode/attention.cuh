@@ -43,7 +43,27 @@ __device__ __forceinline__ void load_bf16_n(const char* p, float (&out)[N]) {
     }
 }
 
-__device__ __forceinline__ void attention(const Params& p, u32 layer, u32 pos, float* smem) {
+// Where an attention phase reads and writes: tokens t = t0 .. t1 - 1 at
+// positions pos0 + t, token t's rotated q at q + t Q and its output at
+// attn + t Q ([Q] f32 each), its split-attention scratch (tickets, then
+// partials) at part + t part_words. The one-token step has t0 = 0, t1 = 1.
+struct AttnIo {
+    const float* q;
+    float* attn;
+    u32* part;
+    u64 part_words;
+    u32 pos0, t0, t1;
+};
+
+// The one-token step's AttnIo.
+__device__ __forceinline__ AttnIo attn_io(const Params& p, u32 pos) {
+    return AttnIo{reinterpret_cast<const float*>(p.q), reinterpret_cast<float*>(p.attn),
+                  reinterpret_cast<u32*>(p.attn_part), 0ull, pos, 0u, 1u};
+}
+
+// MULTI: items are (token, head) over io's tokens; else one token (t = 0).
+template <bool MULTI = false>
+__device__ __forceinline__ void attention(const Params& p, u32 layer, const AttnIo& io, float* smem) {
     constexpr int D = (int)QMK_HEAD_DIM;
     static_assert(D % 32 == 0, "head_dim must be a multiple of 32");
     constexpr int DPL = D / 32;
@@ -52,14 +72,17 @@ __device__ __forceinline__ void attention(const Params& p, u32 layer, u32 pos, f
     const float scale = 1.0f / sqrtf((float)D);
     const char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);  // [C, KV] bf16
     const char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);  // [C, KV] bf16
-    const float* q = reinterpret_cast<const float*>(p.q);        // [Q] f32
-    float* attn = reinterpret_cast<float*>(p.attn);              // [Q] f32
     float* wm = smem;                   // [WARPS] running max per warp
     float* wl = smem + QMK_WARPS;       // [WARPS] running sum per warp
     float* wacc = smem + 2 * QMK_WARPS; // [WARPS, D] accumulators
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 items = MULTI ? (io.t1 - io.t0) * QMK_HEADS : QMK_HEADS;
 
-    for (u32 h = blockIdx.x; h < QMK_HEADS; h += gridDim.x) {
+    for (u32 it = blockIdx.x; it < items; it += gridDim.x) {
+        const u32 t = MULTI ? io.t0 + it / QMK_HEADS : 0u, h = MULTI ? it % QMK_HEADS : it;
+        const u32 pos = io.pos0 + t;
+        const float* q = io.q + (size_t)t * QMK_Q_DIM;  // [Q] f32
+        float* attn = io.attn + (size_t)t * QMK_Q_DIM;  // [Q] f32
         const u32 g = h / GROUP;
         const u32 col = g * D + lane * DPL;
         float qv[DPL], acc[DPL];
@@ -197,6 +220,84 @@ __device__ __forceinline__ void attn_merge_step(float& M, float& den, float4& nu
     }
 }
 
+// The combine of one token's split attention (S > 1 blocks of SM), shared
+// by every CTA once it has written its items' partials; smem from the
+// split's q stage on. Returns false when the wait gave up.
+__device__ __forceinline__ bool attention_combine(const Params& p, u32 layer, u32 S, u32 SM, const u32* tickets,
+                                                  const float* part_acc, const float* part_ml, float* attn,
+                                                  float* qs) {
+    constexpr int D = (int)QMK_HEAD_DIM;
+    constexpr int G = (int)kAttnGroup;
+    const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+    // The combine, shared by every CTA: unit u = (head u / (D / 4), dims
+    // 4 (u % (D / 4)) .. + 3), CTA c takes units [c U / grid, (c + 1) U /
+    // grid) and its warp w every WARPS-th of them from w. Thread 0 first
+    // waits (bounded) until the tickets of the units' kv heads reach S. Per
+    // unit, the warp stages the S partials in shared memory, lane sg < SG
+    // merges blocks sg, sg + SG, ... in order and lane 0 merges the SG
+    // results in order: the same grouping and order for every unit whichever
+    // CTA takes it, so the bits do not depend on the grid's timing.
+    constexpr u32 NQ = (u32)(G * D / 4);  // units per kv head
+    constexpr u32 SG0 = QMK_THREADS / NQ, SG = SG0 < 1u ? 1u : (SG0 > 8u ? 8u : SG0);
+    constexpr u32 U = QMK_HEADS * (u32)(D / 4);
+    static_assert(SG <= 32u && kAttnMaxSplits <= 64u, "split attention: a warp stages 64 blocks");
+    static_assert(G * D + QMK_WARPS * kAttnMaxSplits * 6u <= QMK_SMEM_FLOATS, "split attention: combine stage");
+    const u32 u0 = (u32)((u64)blockIdx.x * U / gridDim.x), u1 = (u32)((u64)(blockIdx.x + 1u) * U / gridDim.x);
+    if (u0 < u1) {
+        __shared__ int s_ok;
+        if (threadIdx.x == 0) {
+            int ok = 1;
+            for (u32 g = u0 / NQ; ok && g <= (u1 - 1u) / NQ; ++g) {
+                const u32* t = tickets + layer * QMK_KV_HEADS + g;
+                ok = bounded_wait(p, [&] { return ld_acquire_u32(t) >= S; }, kErrCounterTimeout, kPhaseAttention,
+                                  layer);
+            }
+            s_ok = ok;
+        }
+        __syncthreads();
+        if (!s_ok) return false;
+        float* stage = qs + G * D + warp * kAttnMaxSplits * 6u;  // [SM, 6]: acc[4], m, l
+        for (u32 u = u0 + warp; u < u1; u += QMK_WARPS) {
+            const u32 hd = u / (u32)(D / 4), d = u % (u32)(D / 4) * 4u;
+            const float* pa = part_acc + (size_t)hd * SM * D + d;  // [SM, D] f32, from dim d
+            const float* pm = part_ml + (size_t)hd * SM * 2u;      // [SM, 2] f32
+#pragma unroll
+            for (u32 i = 0; i < 2u; ++i) {
+                const u32 b = lane + 32u * i;
+                if (b < S) {
+                    const float4 a = __ldcg(reinterpret_cast<const float4*>(pa + (size_t)b * D));
+                    const float2 ml = __ldcg(reinterpret_cast<const float2*>(pm + b * 2u));
+                    float* st = stage + b * 6u;
+                    st[0] = a.x; st[1] = a.y; st[2] = a.z; st[3] = a.w;
+                    st[4] = ml.x; st[5] = ml.y;
+                }
+            }
+            __syncwarp();
+            float M = -QMK_INF, den = 0.0f;
+            float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (lane < SG) {
+                for (u32 b = lane; b < S; b += SG) {
+                    const float* st = stage + b * 6u;
+                    attn_merge_step(M, den, num, st[4], st[5], make_float4(st[0], st[1], st[2], st[3]));
+                }
+            }
+            float fM = -QMK_INF, fden = 0.0f;
+            float4 fnum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (u32 sg = 0; sg < SG; ++sg) {
+                const float m = __shfl_sync(QMK_FULL_MASK, M, sg), l = __shfl_sync(QMK_FULL_MASK, den, sg);
+                const float4 a = make_float4(__shfl_sync(QMK_FULL_MASK, num.x, sg), __shfl_sync(QMK_FULL_MASK, num.y, sg),
+                                             __shfl_sync(QMK_FULL_MASK, num.z, sg), __shfl_sync(QMK_FULL_MASK, num.w, sg));
+                attn_merge_step(fM, fden, fnum, m, l, a);
+            }
+            if (lane == 0)
+                *reinterpret_cast<float4*>(attn + hd * D + d) =
+                    make_float4(fnum.x / fden, fnum.y / fden, fnum.z / fden, fnum.w / fden);
+            __syncwarp();  // the stage is rewritten by the warp's next unit
+        }
+    }
+    return true;
+}
+
 // Split attention. Work item = (kv head g, sequence block s), one per CTA;
 // warp w takes the tiles of kAttnTile positions starting at
 // b0 + TILE * (w + WARPS * i), on tensor cores (bf16 mma.sync m16n8k16,
@@ -240,7 +341,10 @@ __device__ __forceinline__ void attn_merge_step(float& M, float& den, float4& nu
 // the partial is out, and every CTA when its combine share is done
 // (attn_marks; `bench --profile`). Returns false when a wait gave up (the
 // error is recorded; the caller leaves the kernel).
-__device__ __forceinline__ bool attention_split(const Params& p, u32 layer, u32 pos, float* smem) {
+// MULTI: the items of every token of io, dealt in one sequence (token t0's
+// first), then each token's combine; else one token (t = 0).
+template <bool MULTI = false>
+__device__ __forceinline__ bool attention_split(const Params& p, u32 layer, const AttnIo& io, float* smem) {
     constexpr int D = (int)QMK_HEAD_DIM;
     constexpr int G = (int)kAttnGroup;
     constexpr int TILE = (int)kAttnTile;
@@ -255,16 +359,26 @@ __device__ __forceinline__ bool attention_split(const Params& p, u32 layer, u32 
     static_assert((R & (R - 1)) == 0 && (R % NSLOT == 0 || NSLOT % R == 0), "split attention: ring of 2^k slots");
     static_assert(G >= 1 && G <= 8, "split attention: up to 8 query heads per kv head");
     constexpr u32 STRIDE = kAttnTile * QMK_WARPS;  // positions between a warp's tiles
-    const u32 n = pos + 1u, S = attn_splits(pos), SM = attn_split_max();
-    const u32 B = (n + S - 1u) / S;  // positions per block
+    const u32 SM = attn_split_max();
     const char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);  // [C, KV] bf16
     const char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);  // [C, KV] bf16
-    const float* q = reinterpret_cast<const float*>(p.q);        // [Q] f32
-    float* attn = reinterpret_cast<float*>(p.attn);              // [Q] f32
-    u32* tickets = reinterpret_cast<u32*>(p.attn_part);          // [L, KVH] u32
-    // acc first: 16-byte aligned for float4 whatever HEADS * SM is.
-    float* part_acc = reinterpret_cast<float*>(p.attn_part) + kAttnTicketWords;  // [HEADS, SM, D]
-    float* part_ml = part_acc + (size_t)QMK_HEADS * SM * D;                       // [HEADS, SM, 2]
+    // Token t's blocks S, q, output and scratch: tickets [L, KVH] u32, then
+    // acc [HEADS, SM, D] f32 (16-byte aligned for float4 whatever HEADS *
+    // SM is), then m/l [HEADS, SM, 2] f32.
+    struct Tok {
+        u32 S;
+        const float* q;
+        float* attn;
+        u32* tickets;
+        float* part_acc;
+        float* part_ml;
+    };
+    const auto tok = [&](u32 t) {
+        u32* tk = io.part + t * io.part_words;
+        float* pa = reinterpret_cast<float*>(tk) + kAttnTicketWords;
+        return Tok{attn_splits(io.pos0 + t), io.q + (size_t)t * QMK_Q_DIM, io.attn + (size_t)t * QMK_Q_DIM, tk,
+                   pa, pa + (size_t)QMK_HEADS * SM * D};
+    };
     float* qs = smem;                        // [G, D] q * scale * log2(e)
     float* wm = qs + G * D;                  // [WARPS, G] (merge, after the stream)
     float* wl = wm + QMK_WARPS * G;          // [WARPS, G]
@@ -291,8 +405,26 @@ __device__ __forceinline__ bool attention_split(const Params& p, u32 layer, u32 
     // [NST, TILE, D] bf16 (shared-window addresses: 32-bit registers)
     const u32 st0 = smem_u32(qs + G * D) + warp * (u32)R * 512u, bar0 = smem_u32(&s_kv_bar[warp][0]);
 
-    for (u32 item = blockIdx.x; item < QMK_KV_HEADS * S; item += gridDim.x) {
-        const u32 g = item / S, s = item % S;
+    // MULTI: token tc's items are [ibase, ibase + KVH S_tc) of the sequence.
+    u32 tc = io.t0, ibase = 0u;
+    for (u32 item = blockIdx.x;; item += gridDim.x) {
+        if constexpr (MULTI) {
+            while (tc < io.t1 && item >= ibase + QMK_KV_HEADS * attn_splits(io.pos0 + tc)) {
+                ibase += QMK_KV_HEADS * attn_splits(io.pos0 + tc);
+                ++tc;
+            }
+            if (tc >= io.t1) break;
+        } else if (item >= QMK_KV_HEADS * attn_splits(io.pos0)) {
+            break;
+        }
+        const u32 pos = io.pos0 + (MULTI ? tc : 0u);
+        const Tok tk = tok(MULTI ? tc : 0u);
+        const u32 n = pos + 1u, S = tk.S, B = (n + S - 1u) / S;  // B: positions per block
+        const float* q = tk.q;
+        float* attn = tk.attn;
+        float* part_acc = tk.part_acc;
+        float* part_ml = tk.part_ml;
+        const u32 g = (item - ibase) / S, s = (item - ibase) % S;
         const u32 b0 = s * B, b1 = min(n, b0 + B);
         // Copies slot k of the tile at t0 into ring slot r. K slot k: row
         // t0 + gr (+ 8 for odd k), dims 32 (k / 2) + 8 gc .. + 7. V slot
@@ -561,76 +693,16 @@ __device__ __forceinline__ bool attention_split(const Params& p, u32 layer, u32 
         __syncthreads();
         if (threadIdx.x == 0) {
             const bool hook = (p.flags & kFlagDebugNoTicket) && item == 0u;  // fault test: never released
-            if (!hook) red_release_add_u32(&tickets[layer * QMK_KV_HEADS + g], 1u);
+            if (!hook) red_release_add_u32(&tk.tickets[layer * QMK_KV_HEADS + g], 1u);
             if (marks) attn_marks(p, layer)[2] = globaltimer_ns();
         }
     }
-    if (S == 1u) return true;
-    // The combine, shared by every CTA: unit u = (head u / (D / 4), dims
-    // 4 (u % (D / 4)) .. + 3), CTA c takes units [c U / grid, (c + 1) U /
-    // grid) and its warp w every WARPS-th of them from w. Thread 0 first
-    // waits (bounded) until the tickets of the units' kv heads reach S. Per
-    // unit, the warp stages the S partials in shared memory, lane sg < SG
-    // merges blocks sg, sg + SG, ... in order and lane 0 merges the SG
-    // results in order: the same grouping and order for every unit whichever
-    // CTA takes it, so the bits do not depend on the grid's timing.
-    constexpr u32 NQ = (u32)(G * D / 4);  // units per kv head
-    constexpr u32 SG0 = QMK_THREADS / NQ, SG = SG0 < 1u ? 1u : (SG0 > 8u ? 8u : SG0);
-    constexpr u32 U = QMK_HEADS * (u32)(D / 4);
-    static_assert(SG <= 32u && kAttnMaxSplits <= 64u, "split attention: a warp stages 64 blocks");
-    static_assert(G * D + QMK_WARPS * kAttnMaxSplits * 6u <= QMK_SMEM_FLOATS, "split attention: combine stage");
-    const u32 u0 = (u32)((u64)blockIdx.x * U / gridDim.x), u1 = (u32)((u64)(blockIdx.x + 1u) * U / gridDim.x);
-    if (u0 < u1) {
-        __shared__ int s_ok;
-        if (threadIdx.x == 0) {
-            int ok = 1;
-            for (u32 g = u0 / NQ; ok && g <= (u1 - 1u) / NQ; ++g) {
-                const u32* t = tickets + layer * QMK_KV_HEADS + g;
-                ok = bounded_wait(p, [&] { return ld_acquire_u32(t) >= S; }, kErrCounterTimeout, kPhaseAttention,
-                                  layer);
-            }
-            s_ok = ok;
-        }
-        __syncthreads();
-        if (!s_ok) return false;
-        float* stage = qs + G * D + warp * kAttnMaxSplits * 6u;  // [SM, 6]: acc[4], m, l
-        for (u32 u = u0 + warp; u < u1; u += QMK_WARPS) {
-            const u32 hd = u / (u32)(D / 4), d = u % (u32)(D / 4) * 4u;
-            const float* pa = part_acc + (size_t)hd * SM * D + d;  // [SM, D] f32, from dim d
-            const float* pm = part_ml + (size_t)hd * SM * 2u;      // [SM, 2] f32
-#pragma unroll
-            for (u32 i = 0; i < 2u; ++i) {
-                const u32 b = lane + 32u * i;
-                if (b < S) {
-                    const float4 a = __ldcg(reinterpret_cast<const float4*>(pa + (size_t)b * D));
-                    const float2 ml = __ldcg(reinterpret_cast<const float2*>(pm + b * 2u));
-                    float* st = stage + b * 6u;
-                    st[0] = a.x; st[1] = a.y; st[2] = a.z; st[3] = a.w;
-                    st[4] = ml.x; st[5] = ml.y;
-                }
-            }
-            __syncwarp();
-            float M = -QMK_INF, den = 0.0f;
-            float4 num = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (lane < SG) {
-                for (u32 b = lane; b < S; b += SG) {
-                    const float* st = stage + b * 6u;
-                    attn_merge_step(M, den, num, st[4], st[5], make_float4(st[0], st[1], st[2], st[3]));
-                }
-            }
-            float fM = -QMK_INF, fden = 0.0f;
-            float4 fnum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            for (u32 sg = 0; sg < SG; ++sg) {
-                const float m = __shfl_sync(QMK_FULL_MASK, M, sg), l = __shfl_sync(QMK_FULL_MASK, den, sg);
-                const float4 a = make_float4(__shfl_sync(QMK_FULL_MASK, num.x, sg), __shfl_sync(QMK_FULL_MASK, num.y, sg),
-                                             __shfl_sync(QMK_FULL_MASK, num.z, sg), __shfl_sync(QMK_FULL_MASK, num.w, sg));
-                attn_merge_step(fM, fden, fnum, m, l, a);
-            }
-            if (lane == 0)
-                *reinterpret_cast<float4*>(attn + hd * D + d) =
-                    make_float4(fnum.x / fden, fnum.y / fden, fnum.z / fden, fnum.w / fden);
-            __syncwarp();  // the stage is rewritten by the warp's next unit
-        }
+    for (u32 t = MULTI ? io.t0 : 0u; t < (MULTI ? io.t1 : 1u); ++t) {
+        const Tok tk = tok(t);
+        if (tk.S == 1u) continue;
+        // The previous token's combine has read its shared flag everywhere.
+        if (MULTI && t != io.t0) __syncthreads();
+        if (!attention_combine(p, layer, tk.S, SM, tk.tickets, tk.part_acc, tk.part_ml, tk.attn, qs)) return false;
     }
     if (marks) attn_marks(p, layer)[3] = globaltimer_ns();
     return true;

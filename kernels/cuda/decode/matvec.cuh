@@ -72,9 +72,10 @@ constexpr bool stages_after(u32 front) {
 // hidden size of at most 1,024 (0.5B) takes it.
 constexpr bool kXsSplit = QMK_HIDDEN <= 1024;
 // The slot of element i (plain order: i itself, in its own type).
-template <int K, class I>
+// SPLIT: the order to use (the multi-token step always splits).
+template <int K, bool SPLIT = kXsSplit, class I>
 __device__ __forceinline__ auto xs_slot(I i) {
-    if constexpr (kXsSplit) {
+    if constexpr (SPLIT) {
         static_assert(K % 8 == 0, "split order needs whole 16-byte weight vectors");
         const u32 j = (u32)i;
         return ((j >> 2) & 1u) * (u32)(K / 2) + (j >> 3) * 4u + (j & 3u);

@@ -22,7 +22,9 @@ constexpr int kDecodeNormBatch = 4;
 // STAGED_W: w reads shared memory that stage_norm_weight filled; every
 // thread waits for its copies (all its cp.async groups but the newest, the
 // weight stage's) before the reduction's barrier makes them visible.
-template <int RB, bool STAGED_W = false, class Src, class W>
+//
+// SPLIT: xs's order (xs_slot); the multi-token step always splits.
+template <int RB, bool STAGED_W = false, bool SPLIT = kXsSplit, class Src, class W>
 __device__ __forceinline__ void rms_norm(Src src, W w, float eps, float* xs, float* red) {
     constexpr int PER = (QMK_HIDDEN + QMK_THREADS - 1) / QMK_THREADS;  // elements per thread
     const int t = (int)threadIdx.x;
@@ -30,7 +32,7 @@ __device__ __forceinline__ void rms_norm(Src src, W w, float eps, float* xs, flo
     if constexpr (RB == 1) {
         for (int i = t; i < QMK_HIDDEN; i += QMK_THREADS) {
             const float v = src(i);
-            xs[xs_slot<(int)QMK_HIDDEN>(i)] = v;
+            xs[xs_slot<(int)QMK_HIDDEN, SPLIT>(i)] = v;
             ss = fmaf(v, v, ss);
         }
     } else {
@@ -46,7 +48,7 @@ __device__ __forceinline__ void rms_norm(Src src, W w, float eps, float* xs, flo
             for (int j = 0; j < RB; ++j) {
                 const int i = t + (j0 + j) * QMK_THREADS;
                 if (j0 + j < PER && i < QMK_HIDDEN) {
-                    xs[xs_slot<(int)QMK_HIDDEN>(i)] = v[j];
+                    xs[xs_slot<(int)QMK_HIDDEN, SPLIT>(i)] = v[j];
                     ss = fmaf(v[j], v[j], ss);
                 }
             }
@@ -57,7 +59,7 @@ __device__ __forceinline__ void rms_norm(Src src, W w, float eps, float* xs, flo
     const float inv = 1.0f / sqrtf(total / (float)QMK_HIDDEN + eps);
     if constexpr (RB == 1) {
         for (int i = t; i < QMK_HIDDEN; i += QMK_THREADS) {
-            const auto k = xs_slot<(int)QMK_HIDDEN>(i);
+            const auto k = xs_slot<(int)QMK_HIDDEN, SPLIT>(i);
             xs[k] = xs[k] * inv * w(i);
         }
     } else {
@@ -73,7 +75,7 @@ __device__ __forceinline__ void rms_norm(Src src, W w, float eps, float* xs, flo
             for (int j = 0; j < RB; ++j) {
                 const int i = t + (j0 + j) * QMK_THREADS;
                 if (j0 + j < PER && i < QMK_HIDDEN) {
-                    const auto k = xs_slot<(int)QMK_HIDDEN>(i);
+                    const auto k = xs_slot<(int)QMK_HIDDEN, SPLIT>(i);
                     xs[k] = xs[k] * inv * wv[j];
                 }
             }
