@@ -398,26 +398,36 @@ __device__ __forceinline__ void mt_qkv(const MultiParams& m, const MtTokens<T>& 
     }
 }
 
+// A residual phase for T tokens (o_proj, down): x[t, r] = res(t, r) + w[r]
+// . src[t] over rows r < H, src [T, K] f32; lane 0 loads the residuals
+// before the row.
+template <int T, int K, class Tensor, class Res>
+__device__ __forceinline__ void mt_residual_phase(const MultiParams& m, const LayerView<Tensor>& w,
+                                                  const float* __restrict__ src, Res res, float* xs) {
+    float* x = reinterpret_cast<float*>(m.x);  // [T, H] f32
+    const bool lane0 = (threadIdx.x & 31) == 0;
+    mt_copied_phase<T, K>(
+        src, QMK_HIDDEN, [&](u32 r) { return w.row(r); },
+        [&](u32 r) {
+            MtVals<T> e;
+#pragma unroll
+            for (int t = 0; t < T; ++t) e.v[t] = lane0 ? res(t, r) : 0.0f;
+            return e;
+        },
+        [&](u32 r, const float (&o)[T], const MtVals<T>& e) {
+            if (!lane0) return;
+#pragma unroll
+            for (int t = 0; t < T; ++t) x[t * QMK_HIDDEN + r] = e.v[t] + o[t];
+        },
+        xs);
+}
+
 // o_proj + residual for T tokens: x[t, r] = residual[t, r] + o_proj[r] . attn[t].
 template <int T>
 __device__ __forceinline__ void mt_o_proj(const MultiParams& m, const MtTokens<T>& tk, u32 layer, float* xs) {
-    const LayerView<o_proj_t> w(m.base.o_proj, layer);
-    float* x = reinterpret_cast<float*>(m.x);  // [T, H] f32
-    const bool lane0 = (threadIdx.x & 31) == 0;
-    mt_copied_phase<T, (int)QMK_Q_DIM>(
-        reinterpret_cast<const float*>(m.attn), QMK_HIDDEN, [&](u32 r) { return w.row(r); },
-        [&](u32 r) {
-            MtVals<T> res;
-#pragma unroll
-            for (int t = 0; t < T; ++t) res.v[t] = lane0 ? mt_residual(m, tk, layer, t, r) : 0.0f;
-            return res;
-        },
-        [&](u32 r, const float (&o)[T], const MtVals<T>& res) {
-            if (!lane0) return;
-#pragma unroll
-            for (int t = 0; t < T; ++t) x[t * QMK_HIDDEN + r] = res.v[t] + o[t];
-        },
-        xs);
+    mt_residual_phase<T, (int)QMK_Q_DIM>(m, LayerView<o_proj_t>(m.base.o_proj, layer),
+                                         reinterpret_cast<const float*>(m.attn),
+                                         [&](int t, u32 r) { return mt_residual(m, tk, layer, t, r); }, xs);
 }
 
 // post_attention_layernorm + gate/up + SiLU for T tokens: h[t, r] =
@@ -450,23 +460,10 @@ __device__ __forceinline__ void mt_gate_up(const MultiParams& m, u32 layer, floa
 // down + residual for T tokens: x[t, r] += down[r] . h[t].
 template <int T>
 __device__ __forceinline__ void mt_down(const MultiParams& m, u32 layer, float* xs) {
-    const LayerView<down_proj_t> w(m.base.down_proj, layer);
-    float* x = reinterpret_cast<float*>(m.x);  // [T, H] f32
-    const bool lane0 = (threadIdx.x & 31) == 0;
-    mt_copied_phase<T, (int)QMK_INTER>(
-        reinterpret_cast<const float*>(m.mlp_h), QMK_HIDDEN, [&](u32 r) { return w.row(r); },
-        [&](u32 r) {
-            MtVals<T> res;
-#pragma unroll
-            for (int t = 0; t < T; ++t) res.v[t] = lane0 ? __ldcg(x + (size_t)t * QMK_HIDDEN + r) : 0.0f;
-            return res;
-        },
-        [&](u32 r, const float (&o)[T], const MtVals<T>& res) {
-            if (!lane0) return;
-#pragma unroll
-            for (int t = 0; t < T; ++t) x[t * QMK_HIDDEN + r] = res.v[t] + o[t];
-        },
-        xs);
+    const float* x = reinterpret_cast<const float*>(m.x);  // [T, H] f32
+    mt_residual_phase<T, (int)QMK_INTER>(m, LayerView<down_proj_t>(m.base.down_proj, layer),
+                                         reinterpret_cast<const float*>(m.mlp_h),
+                                         [&](int t, u32 r) { return __ldcg(x + (size_t)t * QMK_HIDDEN + r); }, xs);
 }
 
 // Final norm + LM head for T tokens: logits [T, V], and each CTA's best
