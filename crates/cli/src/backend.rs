@@ -14,6 +14,7 @@ trait ErasedBackend {
     fn prefill(&mut self, tokens: &[u32], start: usize) -> Result<StepOutput, BoxError>;
     fn step_many(&mut self, run: MultiStep<'_>) -> Result<MultiStepOutput, BoxError>;
     fn step_many_position_cost(&self) -> f64;
+    fn step_many_cost(&self, positions: usize) -> f64;
     fn logits(&mut self) -> Result<Vec<f32>, BoxError>;
     fn reset(&mut self) -> Result<(), BoxError>;
 }
@@ -36,6 +37,9 @@ impl<B: Backend> ErasedBackend for B {
     }
     fn step_many_position_cost(&self) -> f64 {
         Backend::step_many_position_cost(self)
+    }
+    fn step_many_cost(&self, positions: usize) -> f64 {
+        Backend::step_many_cost(self, positions)
     }
     fn logits(&mut self) -> Result<Vec<f32>, BoxError> {
         Backend::logits(self).map_err(|e| Box::new(e) as BoxError)
@@ -175,6 +179,9 @@ impl Backend for AnyBackend {
     }
     fn step_many_position_cost(&self) -> f64 {
         self.inner.step_many_position_cost()
+    }
+    fn step_many_cost(&self, positions: usize) -> f64 {
+        self.inner.step_many_cost(positions)
     }
     fn logits(&mut self) -> Result<Vec<f32>, AnyError> {
         self.inner.logits().map_err(AnyError)

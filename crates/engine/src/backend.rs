@@ -215,6 +215,15 @@ pub trait Backend {
         1.0
     }
 
+    /// Cost of one [`Backend::step_many`] of `positions` positions, in
+    /// single steps: what the adaptive rule of speculative decoding prices
+    /// a verify at. By default `1 + (positions - 1)` times
+    /// [`Backend::step_many_position_cost`]; a backend that times its
+    /// launches reports what each size measured.
+    fn step_many_cost(&self, positions: usize) -> f64 {
+        1.0 + positions.saturating_sub(1) as f64 * self.step_many_position_cost()
+    }
+
     /// Logits `[vocab]` of the last step.
     fn logits(&mut self) -> Result<Vec<f32>, Self::Error>;
 

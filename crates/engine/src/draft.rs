@@ -60,7 +60,21 @@ pub trait Drafter {
     fn cost_per_token(&self) -> f64 {
         0.0
     }
+
+    /// The class the next draft falls in, below [`DRAFT_CLASSES`] (larger
+    /// values count as the last class), asked before each greedy draft:
+    /// the adaptive rule keeps acceptance apart per class, because guesses
+    /// of different classes hold at different rates (prompt lookup: the
+    /// length of the n-gram that matched). `None`: no guess now, so the
+    /// step is a plain one. By default every draft is of class 0.
+    fn next_class(&mut self) -> Option<usize> {
+        Some(0)
+    }
 }
+
+/// Classes of draft ([`Drafter::next_class`]) the adaptive rule keeps
+/// acceptance for: one per n-gram length of [`PromptLookup`].
+pub const DRAFT_CLASSES: usize = MAX_NGRAM + 1;
 
 /// Longest n-gram [`PromptLookup`] can match.
 pub const MAX_NGRAM: usize = 8;
@@ -90,7 +104,12 @@ impl NGram {
 /// the tokens that followed its most recent earlier occurrence are the
 /// draft. This is transformers' `prompt_lookup_num_tokens` (longest n-gram
 /// first, down to 1) and llama.cpp's lookup decoding (n-grams of 1 to 4),
-/// with two choices of ours:
+/// with three choices of ours:
+///
+/// * n-grams of up to [`MAX_NGRAM`] (8) tokens by default: a longer match
+///   is a surer copy, and the draft's class ([`Drafter::next_class`]) is
+///   the matched length, so the adaptive rule learns how far each length
+///   holds;
 ///
 /// * the most recent occurrence, not the first: after an edit the newest
 ///   copy of a line is the one the output is continuing;
@@ -114,9 +133,9 @@ pub struct PromptLookup {
 }
 
 impl Default for PromptLookup {
-    /// n-grams of 3 down to 1 tokens.
+    /// n-grams of [`MAX_NGRAM`] down to 1 tokens.
     fn default() -> Self {
-        Self::new(1, 3).expect("1..=3 is a valid n-gram range")
+        Self::new(1, MAX_NGRAM).expect("1..=MAX_NGRAM is a valid n-gram range")
     }
 }
 
@@ -152,6 +171,19 @@ impl PromptLookup {
     pub fn work(&self) -> u64 {
         self.work
     }
+
+    /// The longest n-gram ending the history with an earlier occurrence:
+    /// `(n, j)`, `history[j - n..j]` its most recent occurrence.
+    fn longest_match(&mut self) -> Option<(usize, usize)> {
+        let l = self.history.len();
+        for n in (self.ngram_min..=self.ngram_max.min(l)).rev() {
+            self.work += n as u64;
+            if let Some(&j) = self.index.get(&NGram::of(&self.history[l - n..])) {
+                return Some((n, j));
+            }
+        }
+        None
+    }
 }
 
 impl Drafter for PromptLookup {
@@ -174,28 +206,28 @@ impl Drafter for PromptLookup {
 
     fn draft(&mut self, max: usize, out: &mut Vec<u32>) -> Result<(), EngineError> {
         out.clear();
-        let l = self.history.len();
         if max == 0 {
             return Ok(());
         }
-        for n in (self.ngram_min..=self.ngram_max.min(l)).rev() {
-            self.work += n as u64;
-            let Some(&j) = self.index.get(&NGram::of(&self.history[l - n..])) else {
-                continue;
-            };
-            // history[j..] then, past the end, the draft itself (j < l, so
-            // out[j + i - l] is already written).
-            for i in 0..max {
-                let t = match self.history.get(j + i) {
-                    Some(&t) => t,
-                    None => out[j + i - l],
-                };
-                out.push(t);
-            }
-            self.work += max as u64;
+        let Some((_, j)) = self.longest_match() else {
             return Ok(());
+        };
+        // history[j..] then, past the end, the draft itself (j < l, so
+        // out[j + i - l] is already written).
+        let l = self.history.len();
+        for i in 0..max {
+            let t = match self.history.get(j + i) {
+                Some(&t) => t,
+                None => out[j + i - l],
+            };
+            out.push(t);
         }
+        self.work += max as u64;
         Ok(())
+    }
+
+    fn next_class(&mut self) -> Option<usize> {
+        self.longest_match().map(|(n, _)| n)
     }
 }
 
@@ -473,6 +505,21 @@ mod tests {
         // Without the 3-gram the most recent [1, 2] wins.
         let h = [5, 1, 2, 7, 7, 1, 2, 8, 8, 9, 1, 2];
         assert_eq!(drafted(&h, 2), vec![8, 8]);
+    }
+
+    #[test]
+    fn the_class_is_the_matched_length() {
+        let mut d = PromptLookup::default();
+        d.extend(&[9, 1, 2, 7, 7, 1, 2, 8, 8, 9, 1, 2]);
+        assert_eq!(d.next_class(), Some(3));
+        d.extend(&[3]);
+        assert_eq!(d.next_class(), None);
+        // Eight tokens again: the longest n-gram it matches.
+        d.extend(&[7, 7, 1, 2, 8, 8, 9, 1]);
+        assert_eq!(d.next_class(), Some(MAX_NGRAM));
+        let mut out = vec![];
+        d.draft(2, &mut out).unwrap();
+        assert_eq!(out, vec![2, 3]);
     }
 
     #[test]

@@ -24,33 +24,37 @@
 //! fixed seed gives other tokens than plain sampling does.
 //!
 //! When it runs plain steps instead (the adaptive rule): a verify of `k`
-//! drafted tokens costs `1 + k·(c + d)` single steps, where `c` is
-//! [`SpeculativeOptions::position_cost`] (by default the backend's
-//! [`Backend::step_many_position_cost`]) and `d` the drafter's own cost per
-//! guess ([`Drafter::cost_per_token`]: 0 for prompt lookup, the weight-bytes
+//! drafted tokens costs what the backend reports a step of `k + 1`
+//! positions costs ([`Backend::step_many_cost`]: on a GPU, what each size
+//! measured; or `1 + k·c` with [`SpeculativeOptions::position_cost`] `c`
+//! when that is set), plus `k·d`, the drafter's own cost per guess
+//! ([`Drafter::cost_per_token`]: 0 for prompt lookup, the weight-bytes
 //! ratio for a draft model), and yields `E(k) = 1 + a + … + aᵏ` tokens on
 //! average if each guess holds with probability `a` (given the ones before
-//! it held). Before each step the loop picks the `k` in `0..=max_draft` with
-//! the most tokens per unit of cost, `E(k) / (1 + k·(c + d))`; `k = 0` is a
-//! plain step. The estimate of `a` is `(accepted + 0.8) / (accepted +
-//! rejected + 1)` over counts that decay by [`DECAY`] every step (a verify
-//! whose guesses were not all kept counts one rejection): an optimistic
-//! prior worth one observation, so speculation starts at once; a bad
-//! stretch turns it off, and as that evidence fades over plain steps the
-//! loop tries again (sooner when verifies are cheap). With `c = 1`, what the
-//! default `step_many` (one single step per position) costs, no `k > 0`
+//! it held). Before each step the loop asks the drafter which class its
+//! next draft is of ([`Drafter::next_class`]; prompt lookup: the length of
+//! the matched n-gram, as longer matches hold longer) and picks the `k` in
+//! `0..=max_draft` with the most tokens per unit of cost for that class's
+//! `a`; `k = 0` is a plain step. A class's estimate of `a` is `(accepted +
+//! 0.8) / (accepted + rejected + 1)` over counts that decay by [`DECAY`]
+//! every step of that class (a verify whose guesses were not all kept
+//! counts one rejection): an optimistic prior worth one observation, so
+//! speculation starts at once; a bad stretch turns it off, and as that
+//! evidence fades over plain steps the loop tries again (sooner when
+//! verifies are cheap). When every extra position costs a whole step, what
+//! the default `step_many` (one single step per position) costs, no `k > 0`
 //! ever pays and the loop runs plain steps.
 
 use std::collections::HashMap;
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
-use crate::draft::Drafter;
+use crate::draft::{Drafter, DRAFT_CLASSES};
 use crate::engine::{GenerateOptions, Generation, StopReason};
 use crate::sampling::{apply_penalties, argmax, candidates, choose, Rng, Sampling, TokenHistory};
 use crate::{Backend, EngineError, MultiStep, MAX_STEP_TOKENS};
 
-/// Weight that the acceptance counts keep per step.
+/// Weight that a class's acceptance counts keep per step of that class.
 pub const DECAY: f64 = 0.95;
 
 /// Which drafter speculation uses (`--speculate`).
@@ -225,16 +229,16 @@ impl Acceptance {
         (self.accepted + 0.8) / (self.accepted + self.rejected + 1.0)
     }
 
-    /// The number of guesses worth verifying (0: a plain step) when each
-    /// costs `cost` single steps.
-    fn best_draft(&self, max_draft: usize, cost: f64) -> usize {
+    /// The number of guesses worth verifying (0: a plain step) when a
+    /// verify of `k` costs `cost(k)` single steps.
+    fn best_draft(&self, max_draft: usize, cost: impl Fn(usize) -> f64) -> usize {
         let a = self.rate();
         let (mut best, mut best_k) = (1.0, 0); // k = 0: one token per step
         let (mut expected, mut ak) = (1.0, 1.0);
         for k in 1..=max_draft {
             ak *= a;
             expected += ak;
-            let per_cost = expected / (1.0 + k as f64 * cost);
+            let per_cost = expected / cost(k);
             if per_cost > best {
                 (best, best_k) = (per_cost, k);
             }
@@ -334,10 +338,15 @@ pub(crate) fn decode<B: Backend>(
     let capacity = backend.capacity();
     let spec = &opts.speculation;
     let draft_cost = drafter.as_ref().map_or(0.0, |d| d.cost_per_token());
-    let cost = spec
-        .position_cost
-        .unwrap_or_else(|| backend.step_many_position_cost())
-        + draft_cost;
+    // A verify of `k` guesses, in single steps: the step of k + 1
+    // positions and the k guesses' drafting.
+    let verify_cost = |backend: &B, k: usize| {
+        let step = match spec.position_cost {
+            Some(c) => 1.0 + k as f64 * c,
+            None => backend.step_many_cost(k + 1),
+        };
+        step + k as f64 * draft_cost
+    };
     let s = &opts.sampling;
     let mut rng = Rng::new(s.seed);
     // Greedy without a penalty is the backend's own pick: no logits copy.
@@ -411,7 +420,7 @@ pub(crate) fn decode<B: Backend>(
         d.extend(&[first]);
     }
 
-    let mut acceptance = Acceptance::default();
+    let mut acceptance = [Acceptance::default(); DRAFT_CLASSES];
     let (mut last, mut pos) = (first, prompt.len()); // `last` is fed at `pos`
     let mut draft: Vec<u32> = Vec::with_capacity(MAX_STEP_TOKENS);
     let mut dists: Vec<Vec<(u32, f64)>> = Vec::new(); // [k] the guesses' q
@@ -423,11 +432,15 @@ pub(crate) fn decode<B: Backend>(
         let remaining = opts.max_new_tokens - out.len();
         draft.clear();
         dists.clear();
+        let mut class = None;
         if let Some(d) = drafter.as_mut() {
-            let k = if spec.adaptive {
-                acceptance.best_draft(spec.max_draft, cost)
-            } else {
-                spec.max_draft
+            class = d.next_class().map(|c| c.min(DRAFT_CLASSES - 1));
+            let k = match class {
+                None => 0,
+                Some(c) if spec.adaptive => {
+                    acceptance[c].best_draft(spec.max_draft, |k| verify_cost(backend, k))
+                }
+                Some(_) => spec.max_draft,
             }
             .min(remaining - 1);
             if k > 0 {
@@ -500,7 +513,9 @@ pub(crate) fn decode<B: Backend>(
             stats.accepted += new.len() - 1;
         }
         stats.steps += 1;
-        acceptance.record(new.len() - 1, draft.len());
+        if let Some(c) = class {
+            acceptance[c].record(new.len() - 1, draft.len());
+        }
         for &t in &new {
             stats.decoded += 1;
             if let Some(stop) = emit(t, &mut out, &mut history) {
@@ -742,6 +757,139 @@ mod tests {
         assert_eq!(priced.output_ids, want);
         assert_eq!(priced.speculation.verifies, 0);
         assert_eq!(priced.speculation.steps, n - 1);
+    }
+
+    /// The CPU backend, with steps of more than `cheap` positions priced
+    /// far above what they save.
+    struct Priced {
+        inner: CpuBackend,
+        cheap: usize,
+    }
+
+    impl Backend for Priced {
+        type Error = qmk_model::ModelError;
+        fn kind(&self) -> BackendKind {
+            self.inner.kind()
+        }
+        fn capacity(&self) -> usize {
+            self.inner.capacity()
+        }
+        fn step(&mut self, token: u32, pos: usize) -> Result<StepOutput, Self::Error> {
+            self.inner.step(token, pos)
+        }
+        fn step_many(&mut self, run: MultiStep<'_>) -> Result<MultiStepOutput, Self::Error> {
+            self.inner.step_many(run)
+        }
+        fn step_many_cost(&self, positions: usize) -> f64 {
+            if positions <= self.cheap {
+                1.0 + 0.05 * (positions - 1) as f64
+            } else {
+                100.0
+            }
+        }
+        fn logits(&mut self) -> Result<Vec<f32>, Self::Error> {
+            self.inner.logits()
+        }
+        fn reset(&mut self) -> Result<(), Self::Error> {
+            self.inner.reset()
+        }
+    }
+
+    #[test]
+    fn the_rule_prices_each_size_as_the_backend_reports() {
+        let w = tiny(11);
+        let prompt = random_prompt(13, 5);
+        let n = 60;
+        let want = plain(&w, &prompt, n, &[]);
+        for cheap in [2, 3, 5] {
+            let d = Oracle {
+                answer: want.clone(),
+                prompt_len: prompt.len(),
+                seen: 0,
+                wrong_after: usize::MAX,
+            };
+            let inner = CpuBackend::new(w.clone(), prompt.len() + n).unwrap();
+            let mut e = Engine::new(Priced { inner, cheap }, 300);
+            let got = speculate(&mut e, Some(Box::new(d)), &prompt, &drafted(n, true));
+            assert_eq!(got.output_ids, want);
+            let s = got.speculation;
+            // Every verify is of the largest cheap size: its guesses all
+            // hold, so each step makes `cheap` tokens.
+            assert_eq!(s.accepted, s.proposed, "{s:?}");
+            assert!(
+                s.proposed <= s.verifies * (cheap - 1),
+                "cheap {cheap}: {s:?}"
+            );
+            assert!(
+                s.steps <= (n - 1).div_ceil(cheap) + 1,
+                "cheap {cheap}: {s:?}"
+            );
+        }
+    }
+
+    /// Wrong guesses where `seen` is a multiple of 3, right ones elsewhere;
+    /// the class tells which (or, with `classes` false, every draft is of
+    /// one).
+    struct Mixed {
+        oracle: Oracle,
+        classes: bool,
+    }
+
+    impl Drafter for Mixed {
+        fn reset(&mut self) {
+            self.oracle.reset();
+        }
+        fn extend(&mut self, tokens: &[u32]) {
+            self.oracle.extend(tokens);
+        }
+        fn draft(&mut self, max: usize, out: &mut Vec<u32>) -> Result<(), EngineError> {
+            self.oracle.wrong_after = if self.oracle.seen % 3 == 0 {
+                0
+            } else {
+                usize::MAX
+            };
+            self.oracle.draft(max, out)
+        }
+        fn next_class(&mut self) -> Option<usize> {
+            Some(match (self.classes, self.oracle.seen % 3) {
+                (false, _) => 0,
+                (true, 0) => 1,
+                (true, _) => 2,
+            })
+        }
+    }
+
+    #[test]
+    fn acceptance_is_kept_per_class_of_draft() {
+        let w = tiny(12);
+        let prompt = random_prompt(17, 6);
+        let n = 150;
+        let want = plain(&w, &prompt, n, &[]);
+        let run = |classes| {
+            let d = Mixed {
+                oracle: Oracle {
+                    answer: want.clone(),
+                    prompt_len: prompt.len(),
+                    seen: 0,
+                    wrong_after: 0,
+                },
+                classes,
+            };
+            let mut e = engine(&w, prompt.len() + n);
+            let mut o = drafted(n, true);
+            o.speculation.position_cost = Some(0.3);
+            let got = speculate(&mut e, Some(Box::new(d)), &prompt, &o);
+            assert_eq!(got.output_ids, want);
+            got.speculation
+        };
+        let (one, two) = (run(false), run(true));
+        // Told apart, the wrong class is rarely verified and the right one
+        // runs long: fewer wasted guesses, and the same tokens for less
+        // (each step costs 1, each guess 0.3 more).
+        let wasted = |s: &SpeculativeStats| s.proposed - s.accepted;
+        let cost = |s: &SpeculativeStats| s.steps as f64 + 0.3 * s.proposed as f64;
+        assert!(wasted(&two) * 4 < wasted(&one), "{two:?} against {one:?}");
+        assert!(cost(&two) < 0.9 * cost(&one), "{two:?} against {one:?}");
     }
 
     #[test]

@@ -56,7 +56,7 @@ pub(crate) struct Multi<D: Driver> {
 
 /// Running means of what one launch of each kind cost, wall time from the
 /// launch to the end of its wait: what [`Backend::step_many_position_cost`]
-/// reports.
+/// and [`Backend::step_many_cost`] report.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct StepCosts {
     /// (launches, mean seconds) of one-token steps.
@@ -70,10 +70,19 @@ impl StepCosts {
     /// it as an exponential mean, so it follows a changing context length.
     const WINDOW: u64 = 64;
 
+    /// The first launch of each kind is not timed: it may load its kernel,
+    /// and a size priced too high by one slow launch would never run again.
     fn add(slot: &mut (u64, f64), secs: f64) {
         slot.0 += 1;
-        let n = slot.0.min(Self::WINDOW) as f64;
-        slot.1 += (secs - slot.1) / n;
+        let n = (slot.0 - 1).min(Self::WINDOW) as f64;
+        if n > 0.0 {
+            slot.1 += (secs - slot.1) / n;
+        }
+    }
+
+    /// Whether a slot holds a timed mean.
+    fn timed(slot: &(u64, f64)) -> bool {
+        slot.0 >= 2 && slot.1 > 0.0
     }
 
     fn single(&mut self, secs: f64) {
@@ -88,21 +97,29 @@ impl StepCosts {
     }
 
     /// Cost of each position after the first as a fraction of a one-token
-    /// step, weighted by how often each T ran; `None` before both kinds
-    /// have run.
+    /// step, weighted by how often each T was timed; `None` before both
+    /// kinds have been timed.
     fn position_cost(&self) -> Option<f64> {
-        if self.single.0 == 0 || self.single.1 <= 0.0 {
+        if !Self::timed(&self.single) {
             return None;
         }
         let (mut w, mut sum) = (0.0, 0.0);
-        for (t, &(n, secs)) in self.multi.iter().enumerate() {
-            if t >= 2 && n > 0 {
+        for (t, slot @ &(n, secs)) in self.multi.iter().enumerate() {
+            if t >= 2 && Self::timed(slot) {
                 let c = (secs / self.single.1 - 1.0) / (t - 1) as f64;
-                sum += n as f64 * c.max(0.0);
-                w += n as f64;
+                let timed = (n - 1) as f64;
+                sum += timed * c.max(0.0);
+                w += timed;
             }
         }
         (w > 0.0).then(|| sum / w)
+    }
+
+    /// What one launch of `t` positions cost in one-token steps; `None`
+    /// before both kinds have been timed.
+    fn launch_cost(&self, t: usize) -> Option<f64> {
+        let slot = self.multi.get(t)?;
+        (Self::timed(slot) && Self::timed(&self.single)).then(|| slot.1 / self.single.1)
     }
 }
 
@@ -1243,6 +1260,16 @@ impl<D: Driver> Backend for GpuBackend<D> {
         self.costs.position_cost().unwrap_or(DEFAULT_POSITION_COST)
     }
 
+    /// A size timed as one launch reports its own mean; any other (not yet
+    /// run, or more positions than one launch takes) the linear estimate.
+    fn step_many_cost(&self, positions: usize) -> f64 {
+        let one_launch = (2..=self.multi_max_tokens()).contains(&positions);
+        match self.costs.launch_cost(positions) {
+            Some(c) if one_launch => c,
+            _ => 1.0 + positions.saturating_sub(1) as f64 * self.step_many_position_cost(),
+        }
+    }
+
     fn logits(&mut self) -> Result<Vec<f32>> {
         self.usable()?;
         let mut v = vec![0f32; self.config.vocab_size];
@@ -1290,6 +1317,31 @@ impl<D: Driver> std::fmt::Debug for GpuBackend<D> {
 mod tests {
     use super::*;
     use crate::upload::mock::{with, Mock};
+
+    #[test]
+    fn step_costs_are_running_means_per_size() {
+        let mut c = StepCosts::default();
+        assert_eq!(c.position_cost(), None);
+        // The first launch of a kind is not timed.
+        c.multi(3, 1.0);
+        c.multi(3, 0.003);
+        c.single(1.0);
+        assert_eq!((c.position_cost(), c.launch_cost(3)), (None, None));
+        c.single(0.002);
+        // T = 3 at 1.5 steps: 0.25 per extra position.
+        assert_eq!(c.launch_cost(3), Some(1.5));
+        assert_eq!(c.position_cost(), Some(0.25));
+        assert_eq!((c.launch_cost(2), c.launch_cost(9)), (None, None));
+        // T = 5 at 3 steps (0.5 per position) twice: weighted 2 to 1.
+        c.multi(5, 1.0);
+        c.multi(5, 0.006);
+        c.multi(5, 0.006);
+        assert_eq!(c.launch_cost(5), Some(3.0));
+        assert!((c.position_cost().unwrap() - 1.25 / 3.0).abs() < 1e-12);
+        // A mean moves towards new samples.
+        c.multi(3, 0.005);
+        assert_eq!(c.launch_cost(3), Some(2.0));
+    }
 
     #[test]
     fn kv_maps_describe_both_caches_in_tile_boxes() {
