@@ -55,6 +55,10 @@
 #               device's most, us per launch and one-token steps);
 #               MULTI_ROWS="name=bench args;..." replaces the rows;
 #               MULTI_ALTS=1 times the variant binaries too
+#   ncu         Nsight Compute on one launch of each of NCU_KERNELS (default
+#               qmk_decode_step and qmk_decode_multi_5) at NCU_PRESET (7b):
+#               speed of light, compute and memory workload, warp states,
+#               scheduler (ncu --clock-control none; $OUT/ncu-KERNEL.txt)
 #   hf          Hugging Face transformers eager on the same shapes
 #               (scripts/gpu/hf_side_by_side.py)
 #   goldens     the real 0.5B weights (as `real`): only transformers' plain
@@ -310,6 +314,17 @@ for line in open(sys.argv[1]):
         print(o["run"], o["context"], " ".join(f'T{r["tokens"]}={r["us"]:.1f}us/{r["steps"]:.3f}' for r in o["multi_tokens"]))
 EOF
       ;;
+    ncu)
+      for k in ${NCU_KERNELS:-qmk_decode_step qmk_decode_multi_5}; do
+        t=$SECONDS
+        timeout -k 5 "${BENCH_LIMIT:-300}" ncu --clock-control none --kernel-name "$k" --launch-skip 3 \
+          --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+          --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+          --section LaunchStats --section Occupancy --section InstructionStats \
+          "$BIN/qwen-mk" bench --preset "${NCU_PRESET:-7b}" --multi-tokens --steps 16 --warmup 1 \
+          > "$OUT/ncu-$k.txt" 2>&1
+        note "ncu $k rc=$? $(( SECONDS - t ))s"
+      done ;;
     profile)
       IFS=';' read -ra rows <<< "${PROFILE_ROWS:-0.5b=--preset 0.5b;7b=--preset 7b;14b=--preset 14b}"
       for v in qwen-mk ${PROFILE_ALTS:+$ALTS}; do
