@@ -49,6 +49,14 @@ pub const PAIR_BATCH_MOST: u64 = 10;
 /// rows (`qmk::kStageVectors`, rendered as `QMK_STAGE_VECTORS`).
 pub const STAGE_VECTORS: u64 = 4;
 
+/// Fewest tokens from which the multi-token step's phases after the norms
+/// take twice the rows per unit (`qmk::mt_wide`, rendered as
+/// `QMK_MT_WIDE_FROM`; hidden sizes over 1,024 only): each shared read of a
+/// token's activations then feeds twice the rows. On an H200 at 7B, 14B and
+/// 32B, T = 5 costs 1.66-1.79 one-token steps with them against 1.92-1.97
+/// without, and T = 2 1.41-1.55 against 1.27-1.39.
+pub const MULTI_WIDE_FROM: u64 = 4;
+
 /// Shared memory the multi-token step keeps back from the arch's per-CTA
 /// maximum for its static shared memory (barrier flags, reductions, the
 /// split attention's mbarriers), bytes.
@@ -375,6 +383,7 @@ impl KernelBuild {
             ("QMK_ATTN_TILE", ATTN_TILE),
             ("QMK_STAGE_VECTORS", STAGE_VECTORS),
             ("QMK_PAIR_BATCH_MOST", PAIR_BATCH_MOST),
+            ("QMK_MT_WIDE_FROM", MULTI_WIDE_FROM),
         ];
         let rendered = qmk_layout::try_render_header(&plan, &consts)?;
         // The constants live in namespace qmk_plan; the kernel uses them

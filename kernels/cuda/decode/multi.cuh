@@ -45,6 +45,17 @@ constexpr int mt_batch() {
     return lane_vectors(K) < 8 / NR ? lane_vectors(K) : 8 / NR;
 }
 
+// Units of twice the rows in the phases after the norms (o_proj, down, the
+// LM head: 2 rows instead of 1; gate/up: 2 row pairs instead of 1), so each
+// shared read of a token's activations feeds twice the rows: from
+// QMK_MT_WIDE_FROM tokens, where the shared reads and FMAs per weight byte
+// outweigh the fewer, longer units, and from a hidden size over 1,024
+// (0.5B's short phases wait on latency, where wider units cost more).
+template <int T>
+constexpr int mt_wide() {
+    return QMK_HIDDEN > 1024 && (u64)T >= QMK_MT_WIDE_FROM ? 2 : 1;
+}
+
 // acc[t][r] += row r . token t's vector over this chunk's weight vectors
 // [v0, v0 + cv) of each row (v0 a multiple of 32, so lane l takes vectors
 // = l mod 32 as in the one-token step). xs: token t's chunk at xs + t XS,
@@ -247,37 +258,39 @@ __device__ __forceinline__ bool cta_has_unit(u32 units, u32 k) {
     return k * nwt + (tail ? blockIdx.x : blockIdx.x * QMK_WARPS) < units;
 }
 
-// A weight phase of `units` one-row units [K] whose T inputs src [T, K] f32
-// were written earlier in the launch (o_proj, down): row_of(u) is unit u's
-// row; e = early(u) loads what the epilogue adds (the T residuals) before
-// the weight rows, so its round trip overlaps theirs; epilogue(u, o, e)
-// gets the T sums o[T].
-template <int T, int K, class RowOf, class Early, class Epilogue>
+// A weight phase of `units` NR-row units [K] whose T inputs src [T, K] f32
+// were written earlier in the launch (o_proj, down): row_of(u, j) is row j
+// of unit u; e = early(u) loads what the epilogue adds (the residuals)
+// before the weight rows, so its round trip overlaps theirs;
+// epilogue(u, o, e) gets the sums o[T][NR].
+template <int T, int K, int NR, class RowOf, class Early, class Epilogue>
 __device__ __forceinline__ void mt_copied_phase(const float* __restrict__ src, u32 units, RowOf row_of,
                                                 Early early, Epilogue epilogue, float* xs) {
-    constexpr int U = mt_batch<K, 1>();
+    constexpr int U = mt_batch<K, NR>();
     constexpr u32 XS = mt_stride(K);
     if constexpr ((u32)T * XS <= QMK_MT_SMEM_FLOATS) {
         mt_load_chunk<T, K>(src, 0u, (u32)K, xs, XS);
         __syncthreads();
         for (u32 k = 0, u; (u = unit_at(units, k)) < units; ++k) {
-            const char* rows[1] = {row_of(u)};
+            const char* rows[NR];
+#pragma unroll
+            for (int j = 0; j < NR; ++j) rows[j] = row_of(u, j);
             const auto e = early(u);
-            float acc[T][1];
+            float acc[T][NR];
             mt_zero(acc);
-            mt_dot<1, T, U>(rows, xs, XS, 0u, (u32)K / 8u, acc);
-            float o[T];
-            mt_sums(acc, reinterpret_cast<float(&)[T][1]>(o));
+            mt_dot<NR, T, U>(rows, xs, XS, 0u, (u32)K / 8u, acc);
+            float o[T][NR];
+            mt_sums(acc, o);
             epilogue(u, o, e);
         }
     } else {
         // Chunks of CH elements; G units per warp hold their sums across them.
         constexpr u32 CH = QMK_MT_SMEM_FLOATS / (u32)T / 256u * 256u;
         constexpr u32 NCH = ((u32)K + CH - 1u) / CH;
-        constexpr int G = T <= 4 ? 4 : 2;
+        constexpr int G = T * NR <= 4 ? 4 : 2;
         static_assert(CH >= 256u && NCH >= 2u, "chunked phase");
         for (u32 k0 = 0; cta_has_unit(units, k0); k0 += G) {
-            float acc[G][T][1];
+            float acc[G][T][NR];
 #pragma unroll
             for (int g = 0; g < G; ++g) mt_zero(acc[g]);
 #pragma unroll 1
@@ -290,8 +303,10 @@ __device__ __forceinline__ void mt_copied_phase(const float* __restrict__ src, u
                 for (int g = 0; g < G; ++g) {
                     const u32 u = unit_at(units, k0 + (u32)g);
                     if (u < units) {
-                        const char* rows[1] = {row_of(u)};
-                        mt_dot<1, T, U>(rows, xs, CH, c0 / 8u, C / 8u, acc[g]);
+                        const char* rows[NR];
+#pragma unroll
+                        for (int j = 0; j < NR; ++j) rows[j] = row_of(u, j);
+                        mt_dot<NR, T, U>(rows, xs, CH, c0 / 8u, C / 8u, acc[g]);
                     }
                 }
             }
@@ -300,8 +315,8 @@ __device__ __forceinline__ void mt_copied_phase(const float* __restrict__ src, u
                 const u32 u = unit_at(units, k0 + (u32)g);
                 if (u < units) {
                     const auto e = early(u);
-                    float o[T];
-                    mt_sums(acc[g], reinterpret_cast<float(&)[T][1]>(o));
+                    float o[T][NR];
+                    mt_sums(acc[g], o);
                     epilogue(u, o, e);
                 }
             }
@@ -399,25 +414,31 @@ __device__ __forceinline__ void mt_qkv(const MultiParams& m, const MtTokens<T>& 
 }
 
 // A residual phase for T tokens (o_proj, down): x[t, r] = res(t, r) + w[r]
-// . src[t] over rows r < H, src [T, K] f32; lane 0 loads the residuals
-// before the row.
+// . src[t] over rows r < H, src [T, K] f32, in units of NR consecutive
+// rows; lane 0 loads the residuals before the rows.
 template <int T, int K, class Tensor, class Res>
 __device__ __forceinline__ void mt_residual_phase(const MultiParams& m, const LayerView<Tensor>& w,
                                                   const float* __restrict__ src, Res res, float* xs) {
+    constexpr int NR = mt_wide<T>();
+    static_assert(QMK_HIDDEN % NR == 0, "whole units");
     float* x = reinterpret_cast<float*>(m.x);  // [T, H] f32
     const bool lane0 = (threadIdx.x & 31) == 0;
-    mt_copied_phase<T, K>(
-        src, QMK_HIDDEN, [&](u32 r) { return w.row(r); },
-        [&](u32 r) {
-            MtVals<T> e;
+    mt_copied_phase<T, K, NR>(
+        src, QMK_HIDDEN / NR, [&](u32 u, int j) { return w.row(u * NR + (u32)j); },
+        [&](u32 u) {
+            MtVals<T * NR> e;
 #pragma unroll
-            for (int t = 0; t < T; ++t) e.v[t] = lane0 ? res(t, r) : 0.0f;
+            for (int t = 0; t < T; ++t)
+#pragma unroll
+                for (int j = 0; j < NR; ++j) e.v[t * NR + j] = lane0 ? res(t, u * NR + (u32)j) : 0.0f;
             return e;
         },
-        [&](u32 r, const float (&o)[T], const MtVals<T>& e) {
+        [&](u32 u, const float (&o)[T][NR], const MtVals<T * NR>& e) {
             if (!lane0) return;
 #pragma unroll
-            for (int t = 0; t < T; ++t) x[t * QMK_HIDDEN + r] = e.v[t] + o[t];
+            for (int t = 0; t < T; ++t)
+#pragma unroll
+                for (int j = 0; j < NR; ++j) x[t * QMK_HIDDEN + u * NR + j] = e.v[t * NR + j] + o[t][j];
         },
         xs);
 }
@@ -443,17 +464,27 @@ __device__ __forceinline__ void mt_gate_up(const MultiParams& m, u32 layer, floa
     float* h = reinterpret_cast<float*>(m.mlp_h);          // [T, I] f32
     mt_rms_norm<T>([&](int t, u32 i) { return __ldcg(x + (size_t)t * QMK_HIDDEN + i); },
                    [&](u32 i) { return ln.elem(i); }, p.rms_norm_eps, xs, XS, red);
-    constexpr int U = mt_batch<(int)QMK_HIDDEN, 2>();
-    for (u32 k = 0, r; (r = unit_at(QMK_INTER, k)) < QMK_INTER; ++k) {
-        const char* rows[2] = {wg.row(r), wu.row(r)};
-        float acc[T][2];
+    constexpr int P = mt_wide<T>();  // rows r of gate and up per unit
+    static_assert(QMK_INTER % P == 0, "whole units");
+    constexpr u32 units = QMK_INTER / P;
+    constexpr int U = mt_batch<(int)QMK_HIDDEN, 2 * P>();
+    for (u32 k = 0, u; (u = unit_at(units, k)) < units; ++k) {
+        const char* rows[2 * P];
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+            rows[2 * j] = wg.row(u * P + (u32)j);
+            rows[2 * j + 1] = wu.row(u * P + (u32)j);
+        }
+        float acc[T][2 * P];
         mt_zero(acc);
-        mt_dot<2, T, U>(rows, xs, XS, 0u, QMK_HIDDEN / 8u, acc);
-        float o[T][2];
+        mt_dot<2 * P, T, U>(rows, xs, XS, 0u, QMK_HIDDEN / 8u, acc);
+        float o[T][2 * P];
         mt_sums(acc, o);
 #pragma unroll
         for (int t = 0; t < T; ++t)
-            if ((threadIdx.x & 31) == 0) h[t * QMK_INTER + r] = silu(o[t][0]) * o[t][1];
+#pragma unroll
+            for (int j = 0; j < P; ++j)
+                if ((threadIdx.x & 31) == 0) h[t * QMK_INTER + u * P + j] = silu(o[t][2 * j]) * o[t][2 * j + 1];
     }
 }
 
@@ -486,22 +517,30 @@ __device__ __forceinline__ void mt_lm_head(const MultiParams& m, float* xs, floa
         best[t] = -QMK_INF;
         besti[t] = 0xffffffffu;
     }
-    constexpr int U = mt_batch<(int)QMK_HIDDEN, 1>();
-    for (u32 r = blockIdx.x * QMK_WARPS + warp; r < QMK_VOCAB; r += nwt) {
-        const char* rows[1] = {table_row(p.lm_head[0], r)};
-        float acc[T][1];
+    constexpr int NR = mt_wide<T>();  // consecutive rows per unit
+    static_assert(QMK_VOCAB % NR == 0, "whole units");
+    constexpr int U = mt_batch<(int)QMK_HIDDEN, NR>();
+    for (u32 u = blockIdx.x * QMK_WARPS + warp; u < QMK_VOCAB / NR; u += nwt) {
+        const char* rows[NR];
+#pragma unroll
+        for (int j = 0; j < NR; ++j) rows[j] = table_row(p.lm_head[0], u * NR + (u32)j);
+        float acc[T][NR];
         mt_zero(acc);
-        mt_dot<1, T, U>(rows, xs, XS, 0u, QMK_HIDDEN / 8u, acc);
-        float os[T][1];
+        mt_dot<NR, T, U>(rows, xs, XS, 0u, QMK_HIDDEN / 8u, acc);
+        float os[T][NR];
         mt_sums(acc, os);
 #pragma unroll
-        for (int t = 0; t < T; ++t) {
-            const float o = os[t][0];
-            if (lane == 0) logits[(size_t)t * QMK_VOCAB + r] = o;
-            // Rows ascend within a warp: a strict '>' keeps the lowest index.
-            if (o > best[t]) {
-                best[t] = o;
-                besti[t] = r;
+        for (int j = 0; j < NR; ++j) {
+            const u32 r = u * NR + (u32)j;
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                const float o = os[t][j];
+                if (lane == 0) logits[(size_t)t * QMK_VOCAB + r] = o;
+                // Rows ascend within a warp: a strict '>' keeps the lowest index.
+                if (o > best[t]) {
+                    best[t] = o;
+                    besti[t] = r;
+                }
             }
         }
     }
