@@ -56,7 +56,10 @@ pub trait Drafter {
 
     /// What drafting one token costs, as a fraction of one of the target
     /// model's single steps: what the adaptive rule adds to a verify's cost
-    /// per guess ([`crate::speculative`]). 0 by default (free guesses).
+    /// per guess ([`crate::speculative`]). 0 by default (free guesses);
+    /// for a drafter with a cost, the rule's starting point, which it
+    /// replaces by the ratio it measures once it has timed a few drafts
+    /// and steps.
     fn cost_per_token(&self) -> f64 {
         0.0
     }

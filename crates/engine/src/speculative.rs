@@ -27,9 +27,10 @@
 //! drafted tokens costs what the backend reports a step of `k + 1`
 //! positions costs ([`Backend::step_many_cost`]: on a GPU, what each size
 //! measured; or `1 + k·c` with [`SpeculativeOptions::position_cost`] `c`
-//! when that is set), plus `k·d`, the drafter's own cost per guess
-//! ([`Drafter::cost_per_token`]: 0 for prompt lookup, the weight-bytes
-//! ratio for a draft model), and yields `E(k) = 1 + a + … + aᵏ` tokens on
+//! when that is set), plus `k·d`, the drafter's own cost per guess (0 for
+//! prompt lookup; for a drafter with a cost, [`Drafter::cost_per_token`]
+//! (a draft model's weight-bytes ratio) until the generation has timed a
+//! few drafts and steps, then their measured ratio), and yields `E(k) = 1 + a + … + aᵏ` tokens on
 //! average if each guess holds with probability `a` (given the ones before
 //! it held). Before each step the loop asks the drafter which class its
 //! next draft is of ([`Drafter::next_class`]; prompt lookup: the length of
@@ -253,6 +254,60 @@ impl Acceptance {
     }
 }
 
+/// What drafting costs in this generation, measured: running means of the
+/// seconds per drafted guess and of one single step of the target (a plain
+/// step's time, or a verify's over its cost in single steps). A draft
+/// model's price by weight bytes misses what its steps spend on barriers
+/// and launches (the 0.5B step takes 0.14 of a 7B step, not 0.065).
+#[derive(Debug, Clone, Copy, Default)]
+struct DraftClock {
+    /// (samples, mean seconds) per guess.
+    per_guess: (u32, f64),
+    /// (samples, mean seconds) per target single step.
+    single: (u32, f64),
+}
+
+impl DraftClock {
+    /// Samples of each before the measured price replaces the prior; the
+    /// first calls of each may load kernels.
+    const WARM: u32 = 3;
+    /// Weight of a new sample once a mean has this many.
+    const WINDOW: u32 = 32;
+
+    fn add(slot: &mut (u32, f64), secs: f64) {
+        if !secs.is_finite() || secs < 0.0 {
+            return;
+        }
+        slot.0 = slot.0.saturating_add(1);
+        slot.1 += (secs - slot.1) / f64::from(slot.0.min(Self::WINDOW));
+    }
+
+    /// A draft of `guesses` took `secs`.
+    fn drafted(&mut self, secs: f64, guesses: usize) {
+        if guesses > 0 {
+            Self::add(&mut self.per_guess, secs / guesses as f64);
+        }
+    }
+
+    /// A target step worth `steps` single steps took `secs`.
+    fn stepped(&mut self, secs: f64, steps: f64) {
+        if steps > 0.0 {
+            Self::add(&mut self.single, secs / steps);
+        }
+    }
+
+    /// Single steps per guess: the measured ratio once both means are
+    /// warm, else `prior`.
+    fn price(&self, prior: f64) -> f64 {
+        let warm = self.per_guess.0 > Self::WARM && self.single.0 > Self::WARM;
+        if warm && self.single.1 > 0.0 {
+            (self.per_guess.1 / self.single.1).clamp(0.0, 100.0)
+        } else {
+            prior
+        }
+    }
+}
+
 /// Probability of `id` in a distribution of `(id, probability)` pairs.
 fn prob(dist: &[(u32, f64)], id: u32) -> f64 {
     dist.iter()
@@ -338,14 +393,14 @@ pub(crate) fn decode<B: Backend>(
     let capacity = backend.capacity();
     let spec = &opts.speculation;
     let draft_cost = drafter.as_ref().map_or(0.0, |d| d.cost_per_token());
-    // A verify of `k` guesses, in single steps: the step of k + 1
-    // positions and the k guesses' drafting.
-    let verify_cost = |backend: &B, k: usize| {
-        let step = match spec.position_cost {
-            Some(c) => 1.0 + k as f64 * c,
-            None => backend.step_many_cost(k + 1),
-        };
-        step + k as f64 * draft_cost
+    // A drafter that costs something is priced by what it measures here;
+    // free ones (prompt lookup) stay free.
+    let timed = draft_cost > 0.0;
+    let mut clock = DraftClock::default();
+    // A step of `positions` positions, in single steps.
+    let step_cost = |backend: &B, positions: usize| match spec.position_cost {
+        Some(c) => 1.0 + positions.saturating_sub(1) as f64 * c,
+        None => backend.step_many_cost(positions),
     };
     let s = &opts.sampling;
     let mut rng = Rng::new(s.seed);
@@ -435,26 +490,36 @@ pub(crate) fn decode<B: Backend>(
         let mut class = None;
         if let Some(d) = drafter.as_mut() {
             class = d.next_class().map(|c| c.min(DRAFT_CLASSES - 1));
+            // A verify of `k` guesses, in single steps: the step of k + 1
+            // positions and the k guesses' drafting.
+            let per_guess = clock.price(draft_cost);
+            let verify_cost = |k: usize| step_cost(backend, k + 1) + k as f64 * per_guess;
             let k = match class {
                 None => 0,
-                Some(c) if spec.adaptive => {
-                    acceptance[c].best_draft(spec.max_draft, |k| verify_cost(backend, k))
-                }
+                Some(c) if spec.adaptive => acceptance[c].best_draft(spec.max_draft, verify_cost),
                 Some(_) => spec.max_draft,
             }
             .min(remaining - 1);
             if k > 0 {
+                let t0 = Instant::now();
                 if s.is_greedy() {
                     d.draft(k, &mut draft)?;
                 } else {
                     d.draft_sampled(k, s, &history, &mut rng, &mut draft, &mut dists)?;
                 }
                 draft.truncate(k);
+                if timed {
+                    clock.drafted(t0.elapsed().as_secs_f64(), draft.len());
+                }
             }
         }
         new.clear();
+        let t0 = Instant::now();
         if draft.is_empty() {
             let r = backend.step(last, pos).map_err(err)?;
+            if timed {
+                clock.stepped(t0.elapsed().as_secs_f64(), 1.0);
+            }
             new.push(pick(backend, r.argmax, &history, &mut rng)?);
             stats.positions += 1;
         } else {
@@ -463,6 +528,10 @@ pub(crate) fn decode<B: Backend>(
             run.extend_from_slice(&draft);
             let step = MultiStep::new(&run, pos, capacity)?.with_logits(needs_logits);
             let verified = backend.step_many(step).map_err(err)?; // [k + 1]
+            if timed {
+                let steps = step_cost(backend, run.len());
+                clock.stepped(t0.elapsed().as_secs_f64(), steps);
+            }
             if !needs_logits {
                 let picks = &verified.argmax;
                 let agreed = draft.iter().zip(picks).take_while(|(d, p)| d == p).count();
@@ -890,6 +959,32 @@ mod tests {
         let cost = |s: &SpeculativeStats| s.steps as f64 + 0.3 * s.proposed as f64;
         assert!(wasted(&two) * 4 < wasted(&one), "{two:?} against {one:?}");
         assert!(cost(&two) < 0.9 * cost(&one), "{two:?} against {one:?}");
+    }
+
+    #[test]
+    fn drafting_is_priced_by_what_it_measures_once_warm() {
+        let mut c = DraftClock::default();
+        assert_eq!(c.price(0.065), 0.065);
+        // A target step of 4 ms, guesses of 0.6 ms (after kernel loads).
+        for _ in 0..=DraftClock::WARM {
+            c.drafted(0.0024, 4);
+            assert_eq!(c.price(0.065), 0.065, "only warm means count");
+            c.stepped(0.010, 2.5);
+        }
+        assert!((c.price(0.065) - 0.15).abs() < 1e-9, "{}", c.price(0.065));
+        // Drafts without guesses, steps of no cost and bad times are not
+        // samples.
+        let before = (c.per_guess, c.single);
+        c.drafted(1.0, 0);
+        c.stepped(1.0, 0.0);
+        c.stepped(f64::NAN, 1.0);
+        c.drafted(-1.0, 3);
+        assert_eq!((c.per_guess, c.single), before);
+        // The means follow new samples.
+        for _ in 0..200 {
+            c.drafted(0.0016, 4);
+        }
+        assert!((c.price(0.065) - 0.1).abs() < 1e-3, "{}", c.price(0.065));
     }
 
     #[test]
