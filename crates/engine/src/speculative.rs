@@ -30,9 +30,9 @@
 //! when that is set), plus `k·d`, the drafter's own cost per guess (0 for
 //! prompt lookup; for a drafter with a cost, [`Drafter::cost_per_token`]
 //! (a draft model's weight-bytes ratio) until the generation has timed a
-//! few drafts and steps, then their measured ratio), and yields `E(k) = 1 + a + … + aᵏ` tokens on
-//! average if each guess holds with probability `a` (given the ones before
-//! it held). Before each step the loop asks the drafter which class its
+//! few drafts and steps, then their measured ratio), and yields
+//! `E(k) = 1 + a + … + aᵏ` tokens on average if each guess holds with
+//! probability `a` (given the ones before it held). Before each step the loop asks the drafter which class its
 //! next draft is of ([`Drafter::next_class`]; prompt lookup: the length of
 //! the matched n-gram, as longer matches hold longer) and picks the `k` in
 //! `0..=max_draft` with the most tokens per unit of cost for that class's
