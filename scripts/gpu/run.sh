@@ -54,7 +54,10 @@
 #               --multi-tokens at 0.5B, 7B, 14B and 32B (T = 1 .. the
 #               device's most, us per launch and one-token steps);
 #               MULTI_ROWS="name=bench args;..." replaces the rows;
-#               MULTI_ALTS=1 times the variant binaries too
+#               MULTI_ALTS=1 times the variant binaries too; MULTI_PROFILE=1
+#               adds --profile: the step timeline of each T too (a line per
+#               run and T: total, each op's critical path, barriers; the
+#               one-token profile variants run as well)
 #   ncu         Nsight Compute on one launch of each of NCU_KERNELS (default
 #               qmk_decode_step and qmk_decode_multi_5) at NCU_PRESET (7b):
 #               speed of light, compute and memory workload, warp states,
@@ -300,18 +303,26 @@ for step in $STEPS; do
       done ;;
     multicost)
       IFS=';' read -ra rows <<< "${MULTI_ROWS:-0.5b=--preset 0.5b;7b=--preset 7b;14b=--preset 14b;32b=--preset 32b}"
+      prof=$([[ ${MULTI_PROFILE:-0} == 1 ]] && echo --profile)
       for v in qwen-mk ${MULTI_ALTS:+$ALTS}; do
         for row in "${rows[@]}"; do
           # shellcheck disable=SC2086
-          bench "multi-${row%%=*}$([[ $v == qwen-mk ]] || echo "-$v")" $v ${row#*=} --multi-tokens --steps 32
+          bench "multi-${row%%=*}$([[ $v == qwen-mk ]] || echo "-$v")" $v ${row#*=} --multi-tokens --steps 32 $prof
         done
       done
       python3 - "$LOG/bench.jsonl" <<'EOF' | tee "$OUT/multicost.txt"
 import json, sys
-for line in open(sys.argv[1]):
-    o = json.loads(line)
-    if o["run"].startswith("multi-") and "multi_tokens" in o:
-        print(o["run"], o["context"], " ".join(f'T{r["tokens"]}={r["us"]:.1f}us/{r["steps"]:.3f}' for r in o["multi_tokens"]))
+objs = [json.loads(line) for line in open(sys.argv[1])]
+objs = [o for o in objs if o["run"].startswith("multi-") and "multi_tokens" in o]
+for o in objs:
+    print(o["run"], o["context"], " ".join(f'T{r["tokens"]}={r["us"]:.1f}us/{r["steps"]:.3f}' for r in o["multi_tokens"]))
+# MULTI_PROFILE=1: where each T's launch goes (Timeline::OPS order).
+OPS = ["qkv_proj", "attention", "o_proj", "mlp gate/up", "mlp down", "lm_head"]
+for o in objs:
+    for r in o.get("timelines", []):
+        t = r["timeline"]
+        ops = " ".join(f'{k.replace(" ", "_")}={t["ops"][k]["critical_us"]:.1f}' for k in OPS if k in t["ops"])
+        print(f'{o["run"]} {o["context"]} T={r["tokens"]} total_us={t["total_us"]:.1f} critical_us {ops} barrier_us={t["barrier_us"]:.1f}')
 EOF
       ;;
     ncu)

@@ -102,7 +102,8 @@ pub struct BenchArgs {
     profile: bool,
     /// Also time the multi-token step (the verify step of speculative
     /// decoding) for every T the device takes, at the same positions: us
-    /// per launch and its cost in one-token steps.
+    /// per launch and its cost in one-token steps; with --profile also its
+    /// step timeline per T.
     #[arg(long)]
     multi_tokens: bool,
     /// Timed steps of each profile variant (median reported).
@@ -466,32 +467,41 @@ fn decode<D: Driver>(a: &BenchArgs, backend: &mut GpuBackend<D>) -> Result<()> {
         } else {
             (Vec::new(), None)
         };
-        let multi = if a.multi_tokens {
-            backend.bench_multi(&bench_options(a, context, 0))?
+        let (multi, multi_timelines) = if a.multi_tokens {
+            let o = bench_options(a, context, 0);
+            let timelines = if a.profile {
+                let mut o = o.clone();
+                o.steps = a.profile_steps.clamp(1, a.steps.max(1));
+                backend.bench_multi_timeline(&o)?
+            } else {
+                Vec::new()
+            };
+            (backend.bench_multi(&o)?, timelines)
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
         let load = Load::of(a, backend);
         print(&report_text(a, &r, &l, &profile, timeline.as_ref(), &load))?;
         if !multi.is_empty() {
-            print(&multi_text(a, context, &multi))?;
+            print(&multi_text(a, context, &multi, &multi_timelines))?;
         }
     }
     Ok(())
 }
 
 /// The multi-token step's cost per T (`--multi-tokens`): a line each, or
-/// one JSON object with `--json`.
-fn multi_text(a: &BenchArgs, context: usize, multi: &[(usize, f64)]) -> String {
-    let one = multi.first().map_or(1.0, |&(_, us)| us);
+/// one JSON object with `--json`; with `--profile` also its timeline per T
+/// (`timelines`).
+fn multi_text(
+    a: &BenchArgs,
+    context: usize,
+    multi: &[(usize, f64)],
+    timelines: &[(usize, Timeline)],
+) -> String {
     if a.json {
-        let rows: Vec<_> = multi
-            .iter()
-            .map(|&(t, us)| serde_json::json!({"tokens": t, "us": us, "steps": us / one}))
-            .collect();
-        let v = serde_json::json!({"run": a.label(), "context": context, "multi_tokens": rows});
-        return format!("{v}\n");
+        return format!("{}\n", multi_json(a, context, multi, timelines));
     }
+    let one = multi.first().map_or(1.0, |&(_, us)| us);
     let mut s = format!(
         "multi-token step, {} at {context} positions (median us per launch):\n",
         a.label()
@@ -499,7 +509,37 @@ fn multi_text(a: &BenchArgs, context: usize, multi: &[(usize, f64)]) -> String {
     for &(t, us) in multi {
         s += &format!("  T = {t}: {us:9.1} us = {:.3} one-token steps\n", us / one);
     }
+    for (t, timeline) in timelines {
+        s += &format!("  T = {t}, traced launches:\n");
+        for l in timeline_text(timeline) {
+            s += &l;
+            s.push('\n');
+        }
+    }
     s
+}
+
+/// The JSON object of `--multi-tokens`: the cost per T, and with
+/// `--profile` the timeline per T.
+fn multi_json(
+    a: &BenchArgs,
+    context: usize,
+    multi: &[(usize, f64)],
+    timelines: &[(usize, Timeline)],
+) -> serde_json::Value {
+    let one = multi.first().map_or(1.0, |&(_, us)| us);
+    let rows: Vec<_> = multi
+        .iter()
+        .map(|&(t, us)| serde_json::json!({"tokens": t, "us": us, "steps": us / one}))
+        .collect();
+    let mut v = serde_json::json!({"run": a.label(), "context": context, "multi_tokens": rows});
+    if !timelines.is_empty() {
+        v["timelines"] = timelines
+            .iter()
+            .map(|(t, tl)| serde_json::json!({"tokens": t, "timeline": timeline_json(tl)}))
+            .collect();
+    }
+    v
 }
 
 /// The JSON object of one decode bench.
@@ -904,6 +944,33 @@ mod tests {
         assert_eq!(parse(&[]).prefill_chunk, qmk_gpu::DEFAULT_PREFILL_CHUNK);
     }
 
+    /// A timeline of 3 steps: every op `critical_us`, 30 us busy, 2.5 us of
+    /// barrier; the split attention's parts partly set.
+    fn sample_timeline(critical_us: f64) -> Timeline {
+        Timeline {
+            steps: 3,
+            rows: Timeline::OPS
+                .iter()
+                .map(|&name| qmk_gpu::TimelineRow {
+                    name,
+                    critical_us,
+                    busy_mean_us: 30.0,
+                    barrier_us: 2.5,
+                })
+                .collect(),
+            launch_skew_us: 1.0,
+            tail_us: 3.0,
+            total_us: 259.0,
+            tick_ns: 32,
+            attention: Some(qmk_gpu::AttentionParts {
+                items: 64.0,
+                stream_us: 12.5,
+                combine_tail_us: 4.25,
+                ..Default::default()
+            }),
+        }
+    }
+
     #[test]
     fn json_has_context_and_kv_bytes() {
         let a = parse(&["--preset", "0.5b", "--context", "8192"]);
@@ -935,28 +1002,7 @@ mod tests {
             compile_s: 1.5,
             peak_rss: Some(300 << 20),
         };
-        let timeline = Timeline {
-            steps: 3,
-            rows: Timeline::OPS
-                .iter()
-                .map(|&name| qmk_gpu::TimelineRow {
-                    name,
-                    critical_us: 40.0,
-                    busy_mean_us: 30.0,
-                    barrier_us: 2.5,
-                })
-                .collect(),
-            launch_skew_us: 1.0,
-            tail_us: 3.0,
-            total_us: 259.0,
-            tick_ns: 32,
-            attention: Some(qmk_gpu::AttentionParts {
-                items: 64.0,
-                stream_us: 12.5,
-                combine_tail_us: 4.25,
-                ..Default::default()
-            }),
-        };
+        let timeline = sample_timeline(40.0);
         let profile = [("full".into(), 250.0)];
         let v = report_json(&a, &r, &launch, &profile, Some(&timeline), &load);
         assert_eq!(v["timeline"]["barrier_us"], 15.0);
@@ -978,5 +1024,43 @@ mod tests {
         assert_eq!(v["profile_us"]["full"], 250.0);
         // 0.5B at 8k: 2 x 128 x 24 x 2 B per position, ~8.2k positions.
         assert!(kv > 100_000_000 && kv < 102_000_000, "{kv}");
+    }
+
+    #[test]
+    fn multi_tokens_with_profile_add_a_timeline_per_t() {
+        let a = parse(&["--preset", "0.5b", "--multi-tokens", "--profile", "--json"]);
+        let multi = [(1, 200.0), (2, 250.0)];
+        let timelines = [(1, sample_timeline(40.0)), (2, sample_timeline(55.0))];
+        let v = multi_json(&a, 0, &multi, &timelines);
+        assert_eq!(v["run"], "--preset 0.5b");
+        assert_eq!(v["multi_tokens"][1]["steps"], 1.25);
+        let tl = v["timelines"].as_array().unwrap();
+        assert_eq!(tl.len(), 2);
+        assert_eq!(tl[0]["tokens"], 1);
+        assert_eq!(tl[1]["tokens"], 2);
+        assert_eq!(tl[1]["timeline"], timeline_json(&timelines[1].1));
+        assert_eq!(tl[1]["timeline"]["ops"]["mlp down"]["critical_us"], 55.0);
+        assert_eq!(tl[1]["timeline"]["total_us"], 259.0);
+        assert_eq!(tl[0]["timeline"]["barrier_us"], 15.0);
+        // One JSON line, the same object.
+        let line = multi_text(&a, 0, &multi, &timelines);
+        assert_eq!(line.lines().count(), 1);
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&line).unwrap(), v);
+        // Without --profile: no `timelines` key.
+        assert!(multi_json(&a, 0, &multi, &[]).get("timelines").is_none());
+        // Text: one timeline block per T, headed by it.
+        let a = parse(&["--preset", "0.5b", "--multi-tokens", "--profile"]);
+        let text = multi_text(&a, 0, &multi, &timelines);
+        assert!(
+            text.contains("  T = 2:     250.0 us = 1.250 one-token steps"),
+            "{text}"
+        );
+        let t2 = text.find("  T = 2, traced launches:").expect(&text);
+        assert!(
+            text[t2..].contains("  timeline: 259.0 us/step traced"),
+            "{text}"
+        );
+        assert!(text[t2..].contains("55.0"), "{text}");
+        assert_eq!(text.matches("timeline:").count(), 2, "{text}");
     }
 }

@@ -4,7 +4,8 @@
 //! most, in turn), at short context (the one-CTA-per-head attention), across
 //! the split attention's threshold (a run's first tokens on one path, its
 //! last on the other) and past it; at the 0.5B, 7B and 32B shapes (7B from
-//! T = 4 and 32B from T = 3 run the MLP's down in column chunks). Skips
+//! T = 4 and 32B from T = 3 run the MLP's down in column chunks); and its
+//! timeline (`bench --multi-tokens --profile`) is whole for every T. Skips
 //! with a printed reason when there is no device.
 
 use qmk_gpu_tests::*;
@@ -117,3 +118,55 @@ both!(multi_7b_split_threshold, multi_equals_single, "7b", 490, 40);
 fn multi_32b_split_threshold() {
     multi_equals_single::<CudarcDriver>("32b", 470, 64);
 }
+
+/// `bench --multi-tokens --profile`: every T's launches stamp a whole
+/// timeline (the one-token step's barriers), each op takes time, and the
+/// parts add up to the launch.
+fn multi_timeline<D: Driver + 'static>() {
+    let test = format!("multi-token timeline, 0.5b ({})", D::NAME);
+    let Some(_g) = gpu_or_skip(&test) else { return };
+    let w = weights("0.5b");
+    let mut gpu: GpuBackend<D> = open(&w, with_capacity(64));
+    let max = gpu.multi_max_tokens();
+    let timelines = gpu
+        .bench_multi_timeline(&qmk_gpu::BenchOptions {
+            warmup: 2,
+            steps: 8,
+            ..Default::default()
+        })
+        .unwrap_or_else(|e| panic!("{test}: {e}"));
+    assert_eq!(
+        timelines.iter().map(|(t, _)| *t).collect::<Vec<_>>(),
+        (1..=max).collect::<Vec<_>>(),
+        "{test}"
+    );
+    for (t, tl) in &timelines {
+        let parts: f64 = tl
+            .rows
+            .iter()
+            .map(|r| r.critical_us + r.barrier_us)
+            .sum::<f64>()
+            + tl.launch_skew_us
+            + tl.tail_us;
+        println!(
+            "{test}: T = {t}: {:.1} us traced (parts {parts:.1}), barriers {:.1} us",
+            tl.total_us,
+            tl.barrier_us()
+        );
+        for r in &tl.rows {
+            assert!(
+                r.critical_us > 0.0,
+                "{test}: T = {t}: {} took no time",
+                r.name
+            );
+        }
+        // Medians of sums need not add up exactly; within 5 %.
+        assert!(
+            (parts - tl.total_us).abs() <= 0.05 * tl.total_us,
+            "{test}: T = {t}: parts {parts:.1} us vs launch {:.1} us",
+            tl.total_us
+        );
+    }
+}
+
+both!(multi_timeline_0_5b, multi_timeline);

@@ -1076,8 +1076,9 @@ impl<D: Driver> GpuBackend<D> {
     }
 
     /// Queues one multi-token launch (no wait): `tokens` (2 ..= max_tokens)
-    /// at positions `start..`, checked by the caller against the cache.
-    pub(crate) fn launch_multi(&mut self, tokens: &[u32], start: usize) -> Result<()> {
+    /// at positions `start..`, checked by the caller against the cache;
+    /// `flags` are added to the kernel flags (e.g. `FLAG_TRACE`).
+    pub(crate) fn launch_multi(&mut self, tokens: &[u32], start: usize, flags: u32) -> Result<()> {
         let t = tokens.len();
         let Some(m) = self
             .multi
@@ -1096,7 +1097,7 @@ impl<D: Driver> GpuBackend<D> {
         let (smem, grid) = (m.smem, self.launch.grid);
         let mut p = m.scratch;
         p.base = self.params;
-        p.base.flags = self.debug_flags;
+        p.base.flags = flags | self.debug_flags;
         p.tokens[..t].copy_from_slice(tokens);
         p.n_tokens = t as u32;
         p.start = u32::try_from(start).map_err(|_| Error::Position {
@@ -1136,7 +1137,7 @@ impl<D: Driver> GpuBackend<D> {
         let (picks_at, logits_at) = (m.scratch.picks, m.scratch.logits);
         let ev = self.new_event()?;
         let t0 = Instant::now();
-        self.launch_multi(tokens, start)?;
+        self.launch_multi(tokens, start, 0)?;
         self.record(&ev)?;
         self.wait(&ev, self.deadline_of(t))?;
         self.costs.multi(t, t0.elapsed().as_secs_f64());

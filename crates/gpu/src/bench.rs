@@ -336,13 +336,9 @@ impl<D: Driver> GpuBackend<D> {
         Ok(out)
     }
 
-    /// What one launch of the multi-token step costs for each T = 1 ..=
-    /// [`GpuBackend::multi_max_tokens`] (T = 1: the one-token step): at the
-    /// positions of `opts` (KV filled first when they do not start at 0),
-    /// `warmup + steps` launches of each T back to back, each rewriting
-    /// positions `first..first + T` with `opts.first_token`, timed per
-    /// launch with events; median us per launch, by T.
-    pub fn bench_multi(&mut self, opts: &BenchOptions) -> Result<Vec<(usize, f64)>> {
+    /// The positions and the largest T of a multi-token bench: `(first,
+    /// max)`, checked against the KV capacity (see [`Self::start_bench`]).
+    fn start_multi_bench(&mut self, opts: &BenchOptions) -> Result<(usize, usize)> {
         let (first, _) = self.start_bench(opts)?;
         let max = self.multi_max_tokens().max(1);
         if first + max > self.capacity {
@@ -351,6 +347,33 @@ impl<D: Driver> GpuBackend<D> {
                 reason: format!("{max} positions from {first} do not fit the KV cache"),
             });
         }
+        Ok((first, max))
+    }
+
+    /// Queues one launch of a multi-token bench: `tokens` at positions
+    /// `first..`, the one-token step (with `opts.flags`) when there is one
+    /// token; `extra` flag bits on either.
+    fn launch_multi_bench(
+        &mut self,
+        tokens: &[u32],
+        first: usize,
+        opts: &BenchOptions,
+        extra: u32,
+    ) -> Result<()> {
+        match tokens {
+            [token] => self.launch_step(*token, first, opts.flags | extra),
+            _ => self.launch_multi(tokens, first, extra),
+        }
+    }
+
+    /// What one launch of the multi-token step costs for each T = 1 ..=
+    /// [`GpuBackend::multi_max_tokens`] (T = 1: the one-token step): at the
+    /// positions of `opts` (KV filled first when they do not start at 0),
+    /// `warmup + steps` launches of each T back to back, each rewriting
+    /// positions `first..first + T` with `opts.first_token`, timed per
+    /// launch with events; median us per launch, by T.
+    pub fn bench_multi(&mut self, opts: &BenchOptions) -> Result<Vec<(usize, f64)>> {
+        let (first, max) = self.start_multi_bench(opts)?;
         let total = opts.warmup + opts.steps;
         let mut out = Vec::with_capacity(max);
         for t in 1..=max {
@@ -360,11 +383,7 @@ impl<D: Driver> GpuBackend<D> {
                 .collect::<Result<Vec<_>>>()?;
             self.record(&evs[0])?;
             for i in 0..total {
-                if t == 1 {
-                    self.launch_step(opts.first_token, first, opts.flags)?;
-                } else {
-                    self.launch_multi(&tokens, first)?;
-                }
+                self.launch_multi_bench(&tokens, first, opts, 0)?;
                 self.record(&evs[i + 1])?;
             }
             self.wait(&evs[total], self.deadline_of(total * t))?;
@@ -373,6 +392,36 @@ impl<D: Driver> GpuBackend<D> {
                 us.push(self.elapsed_ms(&evs[i], &evs[i + 1])? * 1e3);
             }
             out.push((t, median(&mut us)));
+        }
+        self.reset()?;
+        Ok(out)
+    }
+
+    /// Where a multi-token launch's time goes (`bench --multi-tokens
+    /// --profile`), for each T = 1 ..= [`GpuBackend::multi_max_tokens`]:
+    /// the launches of [`Self::bench_multi`] at the same positions, with
+    /// the timeline on ([`FLAG_TRACE`]), one launch and wait each, the
+    /// timed ones traced ([`Timeline`]; the multi-token step has the
+    /// one-token step's barriers and trace layout). Resets the engine after.
+    pub fn bench_multi_timeline(&mut self, opts: &BenchOptions) -> Result<Vec<(usize, Timeline)>> {
+        let (first, max) = self.start_multi_bench(opts)?;
+        let total = opts.warmup + opts.steps;
+        let mut out = Vec::with_capacity(max);
+        for t in 1..=max {
+            let tokens = vec![opts.first_token; t];
+            let mut traces = Vec::with_capacity(opts.steps);
+            for i in 0..total {
+                let ev = self.new_event()?;
+                self.launch_multi_bench(&tokens, first, opts, FLAG_TRACE)?;
+                self.record(&ev)?;
+                self.wait(&ev, self.deadline_of(t))?;
+                // Every launch rewrites the same stamps: read each before
+                // the next.
+                if i >= opts.warmup {
+                    traces.push(self.read_trace()?);
+                }
+            }
+            out.push((t, Timeline::from_traces(&traces)?));
         }
         self.reset()?;
         Ok(out)

@@ -636,7 +636,7 @@ __device__ __forceinline__ void decode_multi(const MultiParams& m) {
             for (u32 i = threadIdx.x; i < kAttnTicketWords; i += QMK_THREADS) part[t * m.part_words + i] = 0u;
         __threadfence();
     }
-    GridBarrierT<false> bar;
+    GridBarrierT<true> bar;  // traced with kFlagTrace, as the one-token step
     bar.init(p);
     for (u32 layer = 0; layer < QMK_LAYERS; ++layer) {
         mt_qkv<T>(m, tk, layer, xs, red);
@@ -670,6 +670,7 @@ __device__ __forceinline__ void decode_multi(const MultiParams& m) {
             st->barriers = bar.count;
             st->done = st->done + 1u;
             bar.finish(p);
+            if (p.flags & kFlagTrace) trace_slot(p, 0)[1] = globaltimer_ns();
             __threadfence_system();
         }
     }
