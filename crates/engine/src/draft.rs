@@ -132,6 +132,9 @@ pub struct PromptLookup {
     /// n-gram -> `j` such that `history[j - n..j]` is its most recent
     /// occurrence followed by a token (`j < L`).
     index: HashMap<NGram, usize>,
+    /// The last [`PromptLookup::longest_match`] and the history length it
+    /// was for: `next_class` and then `draft` ask at the same point.
+    matched: Option<(usize, Option<(usize, usize)>)>,
     work: u64,
 }
 
@@ -159,6 +162,7 @@ impl PromptLookup {
             ngram_max,
             history: Vec::new(),
             index: HashMap::new(),
+            matched: None,
             work: 0,
         })
     }
@@ -179,13 +183,21 @@ impl PromptLookup {
     /// `(n, j)`, `history[j - n..j]` its most recent occurrence.
     fn longest_match(&mut self) -> Option<(usize, usize)> {
         let l = self.history.len();
+        if let Some((at, m)) = self.matched {
+            if at == l {
+                return m;
+            }
+        }
+        let mut m = None;
         for n in (self.ngram_min..=self.ngram_max.min(l)).rev() {
             self.work += n as u64;
             if let Some(&j) = self.index.get(&NGram::of(&self.history[l - n..])) {
-                return Some((n, j));
+                m = Some((n, j));
+                break;
             }
         }
-        None
+        self.matched = Some((l, m));
+        m
     }
 }
 
@@ -193,6 +205,7 @@ impl Drafter for PromptLookup {
     fn reset(&mut self) {
         self.history.clear();
         self.index.clear();
+        self.matched = None;
     }
 
     fn extend(&mut self, tokens: &[u32]) {
@@ -618,6 +631,32 @@ mod tests {
             accepted > tokens / 2,
             "{accepted} of {tokens} first guesses right"
         );
+    }
+
+    #[test]
+    fn the_class_and_the_draft_share_one_lookup() {
+        // The adaptive rule asks for the class, then drafts at the same
+        // point: one longest-match lookup between them, and the draft it
+        // gives is the one a fresh lookup gives.
+        let mut d = PromptLookup::default();
+        d.extend(&[5, 6, 7, 8, 9, 1, 2, 3, 5, 6, 7]);
+        let before = d.work();
+        assert_eq!(d.next_class(), Some(3));
+        let lookup = d.work() - before;
+        let mut out = vec![];
+        d.draft(4, &mut out).unwrap();
+        assert_eq!(out, [8, 9, 1, 2]);
+        assert_eq!(d.work() - before, lookup + 4, "the draft looked up again");
+        // A new token is a new point.
+        d.extend(&[8]);
+        let before = d.work();
+        d.draft(2, &mut out).unwrap();
+        assert_eq!(out, [9, 1]);
+        assert!(d.work() - before > 2);
+        // So is a reset to a history of the same length.
+        d.reset();
+        d.extend(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
+        assert_eq!(d.next_class(), None);
     }
 
     fn fixture_dir() -> std::path::PathBuf {
