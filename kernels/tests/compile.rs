@@ -23,34 +23,61 @@ fn megakernel_compiles_for_every_preset_and_arch() {
     let Some(c) = compiler() else { return };
     let (maj, min) = c.nvrtc().version();
     println!("NVRTC {maj}.{min} from {}", c.nvrtc().path().display());
-    for preset in ["0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b"] {
-        let config = Config::preset(preset).unwrap();
-        let build = KernelBuild::new(&config).unwrap();
-        for arch in Arch::CI {
-            let cubin = c
-                .compile(&build, arch)
-                .unwrap_or_else(|e| panic!("{preset} {arch}: {e}"));
-            assert!(!cubin.bytes.is_empty());
-            let res = cubin.resources();
-            let main = res
-                .iter()
-                .find(|r| r.function == "qmk_decode_step")
-                .unwrap_or_else(|| panic!("{preset} {arch}: no ptxas report:\n{}", cubin.log));
-            println!(
-                "{preset:>5} {arch}: {} regs, {} B spill st, {} B spill ld, {} B stack, {} B static smem + {} B dynamic, {} barriers/step",
-                main.registers,
-                main.spill_stores,
-                main.spill_loads,
-                main.stack_bytes,
-                main.smem_bytes,
-                build.smem_for(arch),
-                build.barriers_per_step
-            );
-            for r in res.iter().filter(|r| r.function != "qmk_decode_step") {
-                println!("        {r}");
-            }
+    let jobs: Vec<(&str, Arch)> = ["0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b"]
+        .into_iter()
+        .flat_map(|preset| Arch::CI.into_iter().map(move |arch| (preset, arch)))
+        .collect();
+    // The compiles are independent and single-threaded each: one per core
+    // (CI's two cores take about half the time of one after another).
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(jobs.len());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let reports: Vec<std::sync::Mutex<String>> = jobs.iter().map(|_| Default::default()).collect();
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&(preset, arch)) = jobs.get(i) else {
+                    break;
+                };
+                *reports[i].lock().unwrap() = compile_report(&c, preset, arch);
+            });
         }
+    });
+    for r in reports {
+        print!("{}", r.into_inner().unwrap());
     }
+}
+
+/// Compiles `preset` for `arch` and describes its kernels' resources
+/// (panics naming both on failure).
+fn compile_report(c: &Compiler, preset: &str, arch: Arch) -> String {
+    let config = Config::preset(preset).unwrap();
+    let build = KernelBuild::new(&config).unwrap();
+    let cubin = c
+        .compile(&build, arch)
+        .unwrap_or_else(|e| panic!("{preset} {arch}: {e}"));
+    assert!(!cubin.bytes.is_empty());
+    let res = cubin.resources();
+    let main = res
+        .iter()
+        .find(|r| r.function == "qmk_decode_step")
+        .unwrap_or_else(|| panic!("{preset} {arch}: no ptxas report:\n{}", cubin.log));
+    let mut out = format!(
+        "{preset:>5} {arch}: {} regs, {} B spill st, {} B spill ld, {} B stack, {} B static smem + {} B dynamic, {} barriers/step\n",
+        main.registers,
+        main.spill_stores,
+        main.spill_loads,
+        main.stack_bytes,
+        main.smem_bytes,
+        build.smem_for(arch),
+        build.barriers_per_step
+    );
+    for r in res.iter().filter(|r| r.function != "qmk_decode_step") {
+        out += &format!("        {r}\n");
+    }
+    out
 }
 
 #[test]

@@ -58,6 +58,10 @@
 #               adds --profile: the step timeline of each T too (a line per
 #               run and T: total, each op's critical path, barriers; the
 #               one-token profile variants run as well)
+#   tp-allreduce the tensor-parallel all-reduce lab
+#               (scripts/gpu/lab/tp-allreduce: its binary is in the bundle when
+#               nvcc was there at build time): ranks co-resident on GPU 0, and
+#               one per GPU where there are several; $OUT/tp-allreduce.txt
 #   ncu         Nsight Compute on one launch of each of NCU_KERNELS (default
 #               qmk_decode_step and qmk_decode_multi_5) at NCU_PRESET (7b):
 #               speed of light, compute and memory workload, warp states,
@@ -127,6 +131,12 @@ for l in sys.stdin:
   done
   rm -f "$stage/cargo.err"
   if [[ -n ${BASE:-} ]]; then cp "$BASE/qwen-mk" "$stage/base-qwen-mk"; fi
+  # The tensor-parallel all-reduce lab, where nvcc is here (optional).
+  if command -v nvcc > /dev/null; then
+    AR_BIN_DIR="$stage" bash scripts/gpu/lab/tp-allreduce/run.sh build || echo "the all-reduce lab did not build"
+  else
+    echo "no nvcc here: the bundle has no all-reduce lab (tp-allreduce)"
+  fi
   find "$stage" -maxdepth 1 -type f -exec strip {} +
   # The `openai` client and its dependencies for the GPU machine's Python
   # (3.12, no network there): the version CI pins.
@@ -325,6 +335,13 @@ for o in objs:
         print(f'{o["run"]} {o["context"]} T={r["tokens"]} total_us={t["total_us"]:.1f} critical_us {ops} barrier_us={t["barrier_us"]:.1f}')
 EOF
       ;;
+    tp-allreduce)
+      [[ -x $BIN/ar ]] || { note "FAIL tp-allreduce: no lab binary (no nvcc at build time)"; continue; }
+      t=$SECONDS
+      OUT=$OUT AR_BIN_DIR=$BIN timeout -k 5 590 bash "$ROOT/scripts/gpu/lab/tp-allreduce/run.sh" > "$LOG/tp-allreduce.log" 2>&1
+      rc=$?
+      note "$([[ $rc == 0 ]] && echo PASS || echo FAIL) tp-allreduce: rc=$rc, $(grep -c RESULT "$LOG/tp-allreduce.log") runs, $(( SECONDS - t ))s"
+      grep -E "^rc=[1-9]|failed runs" "$LOG/tp-allreduce.log" | head -8 | while read -r x; do note "    ${x:0:200}"; done ;;
     ncu)
       for k in ${NCU_KERNELS:-qmk_decode_step qmk_decode_multi_5}; do
         t=$SECONDS
