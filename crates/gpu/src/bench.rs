@@ -351,8 +351,9 @@ impl<D: Driver> GpuBackend<D> {
     }
 
     /// Queues one launch of a multi-token bench: `tokens` at positions
-    /// `first..`, the one-token step (with `opts.flags`) when there is one
-    /// token; `extra` flag bits on either.
+    /// `first..`, the one-token step when there is one token; `opts.flags`
+    /// (`--kernel-flags`: the attention path, the debug hooks) and `extra`
+    /// on either, so both sides of the cost ratio run the same variant.
     fn launch_multi_bench(
         &mut self,
         tokens: &[u32],
@@ -362,7 +363,7 @@ impl<D: Driver> GpuBackend<D> {
     ) -> Result<()> {
         match tokens {
             [token] => self.launch_step(*token, first, opts.flags | extra),
-            _ => self.launch_multi(tokens, first, extra),
+            _ => self.launch_multi(tokens, first, opts.flags | extra),
         }
     }
 
