@@ -13,6 +13,8 @@
 #               takes minutes; FULL=1 runs it)
 #   test-NAME   one GPU test program (gpu, long_context, prefill, faults,
 #               endurance, scale, speculative, multi_token), e.g. `test-faults`
+#   alttest-NAME a variant's test program carried as $CARRY/alt-test-NAME.xz
+#               (built here from a lab patch), e.g. `alttest-ring-multi_token`
 #   checksums   per-step logit checksums at 0.5B, 7B and 14B, both drivers; written
 #               to $OUT/checksums.txt and compared against the recorded file
 #   bench       qwen-mk bench: decode 0.5B / 7B / 14B (short context), 7B at
@@ -175,7 +177,8 @@ for f in "$CARRY"/alt-*.xz; do
   a=$BIN/$(basename "$f" .xz)
   xz -dc "$f" > "$a" && chmod +x "$a"
 done
-ALTS=$(cd "$BIN" && ls alt-* 2>/dev/null | tr '\n' ' ')
+# (alt-test-NAME: a variant's GPU test program, for `alttest-NAME`, not a qwen-mk.)
+ALTS=$(cd "$BIN" && ls alt-* 2>/dev/null | grep -v '^alt-test-' | tr '\n' ' ')
 
 # One test program, one test at a time; PASS needs exit 0, a result line and
 # no SKIPPED line (on the GPU machine a skip is a failure).
@@ -254,6 +257,9 @@ for step in $STEPS; do
       done ;;
     test-*)
       run_tests "$step" 550 $(test_args "$step") ;;
+    alttest-*)
+      # A variant's GPU test program, carried as $CARRY/alt-test-NAME.xz.
+      run_tests "alt-test-${step#alttest-}" 550 ;;
     checksums)
       rm -f "$OUT/checksums.txt"
       QMK_CHECKSUMS_OUT="$OUT/checksums.txt" run_tests test-checksums 540
