@@ -390,13 +390,7 @@ fn step_timeline<D: Driver>() {
             ..Default::default()
         })
         .unwrap();
-    let parts: f64 = t
-        .rows
-        .iter()
-        .map(|r| r.critical_us + r.barrier_us)
-        .sum::<f64>()
-        + t.launch_skew_us
-        + t.tail_us;
+    let parts = t.parts_us();
     println!(
         "{test}: 12 traced steps equal plain ones; timeline {:.1} us/step (parts {parts:.1}), barriers {:.1} us, timer step <= {} ns",
         t.total_us,

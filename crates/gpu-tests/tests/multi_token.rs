@@ -141,13 +141,7 @@ fn multi_timeline<D: Driver + 'static>() {
         "{test}"
     );
     for (t, tl) in &timelines {
-        let parts: f64 = tl
-            .rows
-            .iter()
-            .map(|r| r.critical_us + r.barrier_us)
-            .sum::<f64>()
-            + tl.launch_skew_us
-            + tl.tail_us;
+        let parts = tl.parts_us();
         println!(
             "{test}: T = {t}: {:.1} us traced (parts {parts:.1}), barriers {:.1} us",
             tl.total_us,

@@ -440,6 +440,18 @@ impl Timeline {
     pub fn barrier_us(&self) -> f64 {
         self.rows.iter().map(|r| r.barrier_us).sum()
     }
+
+    /// The parts the step splits into, added up, us: every op's critical
+    /// path and barrier, the launch skew and the tail. Each is a median over
+    /// the steps, so the sum is near [`Timeline::total_us`], not equal.
+    pub fn parts_us(&self) -> f64 {
+        self.rows
+            .iter()
+            .map(|r| r.critical_us + r.barrier_us)
+            .sum::<f64>()
+            + self.launch_skew_us
+            + self.tail_us
+    }
 }
 
 /// Each field of the steps' [`AttentionParts`], the median over the steps
@@ -525,6 +537,8 @@ mod tests {
         assert_eq!(tl.rows[2].name, "o_proj");
         assert_eq!(tl.rows[2].critical_us, 3.03);
         assert!((tl.barrier_us() - 0.3).abs() < 1e-12);
+        // Equal steps: the medians add up to the step.
+        assert!((tl.parts_us() - tl.total_us).abs() < 1e-9, "{tl:?}");
         assert_eq!(tl.tick_ns, 1);
     }
 
