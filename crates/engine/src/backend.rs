@@ -230,3 +230,81 @@ pub trait Backend {
     /// Forget the cache: the next step starts at position 0.
     fn reset(&mut self) -> Result<(), Self::Error>;
 }
+
+/// A running mean of measured seconds, for pricing steps and drafts by what
+/// they cost here: the plain mean of the first `window` counted samples,
+/// then an exponential mean with weight `1 / window`, so it follows a
+/// drifting cost (a growing context). The first `skip` samples are not
+/// counted (a first launch may load its kernel); a negative or non-finite
+/// sample is ignored.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RunningMean {
+    skip: u32,
+    window: u32,
+    seen: u64,
+    mean: f64,
+}
+
+impl RunningMean {
+    /// An empty mean that skips its first `skip` samples and weighs new
+    /// ones by `1 / window` (at least 1) once it has counted `window`.
+    pub const fn new(skip: u32, window: u32) -> Self {
+        Self {
+            skip,
+            window: if window == 0 { 1 } else { window },
+            seen: 0,
+            mean: 0.0,
+        }
+    }
+
+    /// Adds one sample, seconds.
+    pub fn add(&mut self, secs: f64) {
+        if !secs.is_finite() || secs < 0.0 {
+            return;
+        }
+        self.seen = self.seen.saturating_add(1);
+        let n = self.samples().min(u64::from(self.window));
+        if n > 0 {
+            self.mean += (secs - self.mean) / n as f64;
+        }
+    }
+
+    /// Samples counted so far (the skipped ones not included).
+    pub fn samples(&self) -> u64 {
+        self.seen.saturating_sub(u64::from(self.skip))
+    }
+
+    /// The mean, once at least `warm` samples are counted and it is
+    /// positive.
+    pub fn mean(&self, warm: u64) -> Option<f64> {
+        (self.samples() >= warm.max(1) && self.mean > 0.0).then_some(self.mean)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RunningMean;
+
+    #[test]
+    fn running_means_skip_average_then_follow() {
+        let mut m = RunningMean::new(1, 2);
+        m.add(9.0); // skipped
+        assert_eq!((m.samples(), m.mean(1)), (0, None));
+        m.add(1.0);
+        m.add(3.0);
+        assert_eq!(m.mean(1), Some(2.0));
+        assert_eq!(m.mean(3), None, "two samples are not warm at three");
+        // Past the window: weight 1/2 each.
+        m.add(6.0);
+        assert_eq!(m.mean(1), Some(4.0));
+        // Bad samples are not samples.
+        for bad in [f64::NAN, f64::INFINITY, -1.0] {
+            m.add(bad);
+        }
+        assert_eq!((m.samples(), m.mean(1)), (3, Some(4.0)));
+        // A zero mean is no price.
+        let mut z = RunningMean::new(0, 4);
+        z.add(0.0);
+        assert_eq!(z.mean(1), None);
+    }
+}

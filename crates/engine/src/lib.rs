@@ -38,7 +38,9 @@ pub mod speculative;
 mod test_models;
 pub mod text;
 
-pub use backend::{Backend, BackendKind, MultiStep, MultiStepOutput, StepOutput, MAX_STEP_TOKENS};
+pub use backend::{
+    Backend, BackendKind, MultiStep, MultiStepOutput, RunningMean, StepOutput, MAX_STEP_TOKENS,
+};
 pub use cpu::CpuBackend;
 pub use engine::{Engine, GenerateOptions, Generation, StopReason};
 pub use error::{error_chain, EngineError};

@@ -32,9 +32,10 @@
 //! (a draft model's weight-bytes ratio) until the generation has timed a
 //! few drafts and steps, then their measured ratio), and yields
 //! `E(k) = 1 + a + … + aᵏ` tokens on average if each guess holds with
-//! probability `a` (given the ones before it held). Before each step the loop asks the drafter which class its
-//! next draft is of ([`Drafter::next_class`]; prompt lookup: the length of
-//! the matched n-gram, as longer matches hold longer) and picks the `k` in
+//! probability `a` (given the ones before it held). Before each step the
+//! loop asks the drafter which class its next draft is of
+//! ([`Drafter::next_class`]; prompt lookup: the length of the matched
+//! n-gram, as longer matches hold longer) and picks the `k` in
 //! `0..=max_draft` with the most tokens per unit of cost for that class's
 //! `a`; `k = 0` is a plain step. A class's estimate of `a` is `(accepted +
 //! 0.8) / (accepted + rejected + 1)` over counts that decay by [`DECAY`]
@@ -53,7 +54,7 @@ use std::time::{Duration, Instant};
 use crate::draft::{Drafter, DRAFT_CLASSES};
 use crate::engine::{GenerateOptions, Generation, StopReason};
 use crate::sampling::{apply_penalties, argmax, candidates, choose, Rng, Sampling, TokenHistory};
-use crate::{Backend, EngineError, MultiStep, MAX_STEP_TOKENS};
+use crate::{Backend, EngineError, MultiStep, RunningMean, MAX_STEP_TOKENS};
 
 /// Weight that a class's acceptance counts keep per step of that class.
 pub const DECAY: f64 = 0.95;
@@ -259,51 +260,49 @@ impl Acceptance {
 /// step's time, or a verify's over its cost in single steps). A draft
 /// model's price by weight bytes misses what its steps spend on barriers
 /// and launches (the 0.5B step takes 0.14 of a 7B step, not 0.065).
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 struct DraftClock {
-    /// (samples, mean seconds) per guess.
-    per_guess: (u32, f64),
-    /// (samples, mean seconds) per target single step.
-    single: (u32, f64),
+    per_guess: RunningMean,
+    single: RunningMean,
+}
+
+impl Default for DraftClock {
+    fn default() -> Self {
+        Self {
+            per_guess: RunningMean::new(0, Self::WINDOW),
+            single: RunningMean::new(0, Self::WINDOW),
+        }
+    }
 }
 
 impl DraftClock {
-    /// Samples of each before the measured price replaces the prior; the
-    /// first calls of each may load kernels.
+    /// Samples of each beyond which the measured price replaces the prior;
+    /// the first calls of each may load kernels.
     const WARM: u32 = 3;
     /// Weight of a new sample once a mean has this many.
     const WINDOW: u32 = 32;
 
-    fn add(slot: &mut (u32, f64), secs: f64) {
-        if !secs.is_finite() || secs < 0.0 {
-            return;
-        }
-        slot.0 = slot.0.saturating_add(1);
-        slot.1 += (secs - slot.1) / f64::from(slot.0.min(Self::WINDOW));
-    }
-
     /// A draft of `guesses` took `secs`.
     fn drafted(&mut self, secs: f64, guesses: usize) {
         if guesses > 0 {
-            Self::add(&mut self.per_guess, secs / guesses as f64);
+            self.per_guess.add(secs / guesses as f64);
         }
     }
 
     /// A target step worth `steps` single steps took `secs`.
     fn stepped(&mut self, secs: f64, steps: f64) {
         if steps > 0.0 {
-            Self::add(&mut self.single, secs / steps);
+            self.single.add(secs / steps);
         }
     }
 
     /// Single steps per guess: the measured ratio once both means are
     /// warm, else `prior`.
     fn price(&self, prior: f64) -> f64 {
-        let warm = self.per_guess.0 > Self::WARM && self.single.0 > Self::WARM;
-        if warm && self.single.1 > 0.0 {
-            (self.per_guess.1 / self.single.1).clamp(0.0, 100.0)
-        } else {
-            prior
+        let warm = u64::from(Self::WARM) + 1;
+        match (self.per_guess.mean(warm), self.single.mean(warm)) {
+            (Some(guess), Some(single)) => (guess / single).clamp(0.0, 100.0),
+            _ => prior,
         }
     }
 }

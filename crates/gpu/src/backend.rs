@@ -3,7 +3,7 @@
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
-use qmk_engine::{Backend, BackendKind, MultiStep, MultiStepOutput, StepOutput};
+use qmk_engine::{Backend, BackendKind, MultiStep, MultiStepOutput, RunningMean, StepOutput};
 use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG, FLAG_DEBUG_OOB};
 use qmk_kernels::{
     source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, MultiParams, PrefillParams,
@@ -57,57 +57,53 @@ pub(crate) struct Multi<D: Driver> {
 /// Running means of what one launch of each kind cost, wall time from the
 /// launch to the end of its wait: what [`Backend::step_many_position_cost`]
 /// and [`Backend::step_many_cost`] report.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub(crate) struct StepCosts {
-    /// (launches, mean seconds) of one-token steps.
-    single: (u64, f64),
-    /// (launches, mean seconds) of multi-token steps, by T (index T).
-    multi: Vec<(u64, f64)>,
+    /// One-token steps.
+    single: RunningMean,
+    /// Multi-token steps, by T (index T).
+    multi: Vec<RunningMean>,
+}
+
+impl Default for StepCosts {
+    fn default() -> Self {
+        Self {
+            single: Self::mean(),
+            multi: Vec::new(),
+        }
+    }
 }
 
 impl StepCosts {
-    /// Weight of a new sample once a mean has this many: later samples move
-    /// it as an exponential mean, so it follows a changing context length.
-    const WINDOW: u64 = 64;
-
     /// The first launch of each kind is not timed: it may load its kernel,
     /// and a size priced too high by one slow launch would never run again.
-    fn add(slot: &mut (u64, f64), secs: f64) {
-        slot.0 += 1;
-        let n = (slot.0 - 1).min(Self::WINDOW) as f64;
-        if n > 0.0 {
-            slot.1 += (secs - slot.1) / n;
-        }
-    }
-
-    /// Whether a slot holds a timed mean.
-    fn timed(slot: &(u64, f64)) -> bool {
-        slot.0 >= 2 && slot.1 > 0.0
+    /// Past 64 samples a mean is exponential, so it follows a changing
+    /// context length.
+    const fn mean() -> RunningMean {
+        RunningMean::new(1, 64)
     }
 
     fn single(&mut self, secs: f64) {
-        Self::add(&mut self.single, secs);
+        self.single.add(secs);
     }
 
     fn multi(&mut self, t: usize, secs: f64) {
         if self.multi.len() <= t {
-            self.multi.resize(t + 1, (0, 0.0));
+            self.multi.resize(t + 1, Self::mean());
         }
-        Self::add(&mut self.multi[t], secs);
+        self.multi[t].add(secs);
     }
 
     /// Cost of each position after the first as a fraction of a one-token
     /// step, weighted by how often each T was timed; `None` before both
     /// kinds have been timed.
     fn position_cost(&self) -> Option<f64> {
-        if !Self::timed(&self.single) {
-            return None;
-        }
+        let single = self.single.mean(1)?;
         let (mut w, mut sum) = (0.0, 0.0);
-        for (t, slot @ &(n, secs)) in self.multi.iter().enumerate() {
-            if t >= 2 && Self::timed(slot) {
-                let c = (secs / self.single.1 - 1.0) / (t - 1) as f64;
-                let timed = (n - 1) as f64;
+        for (t, slot) in self.multi.iter().enumerate() {
+            if let (true, Some(secs)) = (t >= 2, slot.mean(1)) {
+                let c = (secs / single - 1.0) / (t - 1) as f64;
+                let timed = slot.samples() as f64;
                 sum += timed * c.max(0.0);
                 w += timed;
             }
@@ -118,8 +114,7 @@ impl StepCosts {
     /// What one launch of `t` positions cost in one-token steps; `None`
     /// before both kinds have been timed.
     fn launch_cost(&self, t: usize) -> Option<f64> {
-        let slot = self.multi.get(t)?;
-        (Self::timed(slot) && Self::timed(&self.single)).then(|| slot.1 / self.single.1)
+        Some(self.multi.get(t)?.mean(1)? / self.single.mean(1)?)
     }
 }
 
