@@ -13,6 +13,11 @@
 // Includes, in dependency order (the files do not include each other):
 // Rendered per model by qmk_kernels:
 #include "qmk_plan.h"            // shapes, strides, chunk tables, QMK_* constants
+// The one macro of the rendered header: preprocessor conditions on an
+// undefined name would silently read 0.
+#if !defined(QMK_TP_RANKS)
+#error "QMK_TP_RANKS comes from the rendered qmk_plan.h"
+#endif
 // Shared core:
 #include "core/common.cuh"       // u16/u32/u64, koff_t, bf16 helpers, loads, fixed-order reductions
 #include "core/params.cuh"       // Params, PrefillParams, probe params, flags, error and phase codes
@@ -24,6 +29,7 @@
 // Decode ops (qmk_decode_step; lm_head and argmax also end the prefill):
 #include "decode/matvec.cuh"     // warp dot products of weight rows, the row-to-warp map
 #include "decode/embed.cuh"      // embedding row / residual read of layer 0
+#include "decode/tp.cuh"         // tensor-parallel ranks: the all-reduces and the argmax fold
 #include "decode/rms_norm.cuh"   // per-CTA RMSNorm into shared memory
 #include "decode/qkv_proj.cuh"   // norm + q/k/v + bias + rotary + KV append
 #include "decode/attention.cuh"  // attention over the cache: one CTA per head, and the split path
@@ -31,7 +37,7 @@
 #include "decode/mlp.cuh"        // norm + gate/up + SiLU, then down + residual
 #include "decode/lm_head.cuh"    // final norm + LM head + per-CTA argmax partials
 #include "decode/argmax.cuh"     // the fixed-order argmax over the partials
-#include "decode/multi.cuh"      // the multi-token step: T positions in one launch
+#include "decode/multi.cuh"      // the multi-token step: T positions in one launch (one GPU)
 // Probes:
 #include "probes/stream.cuh"     // qmk_stream_read
 #include "probes/trap_probe.cuh" // qmk_probe_fill, qmk_trap_probe
@@ -43,7 +49,7 @@
 #include "prefill/rope.cuh"        // rotary + K/V cache write as a phase (mma.sync path)
 #include "prefill/attention.cuh"   // causal flash attention on tensor cores
 #include "prefill/gemm_phases.cuh" // the qkv, o_proj, gate/up and down GEMM phases of a layer
-#include "prefill/chunk.cuh"       // qmk_prefill_chunk
+#include "prefill/chunk.cuh"       // qmk_prefill_chunk (one GPU)
 
 // Per arch, from the host's NVRTC options (qmk_kernels::KernelBuild::arch_options):
 // the split attention's ring depth and the dynamic shared memory it sizes.
@@ -61,15 +67,22 @@ static_assert(QMK_SMEM_FLOATS >= 2 * QMK_WARPS + QMK_WARPS * QMK_HEAD_DIM,
 static_assert(QMK_SMEM_FLOATS >= qmk::kAttnSplitSmemFloats,
               "dynamic shared memory too small for the split attention");
 static_assert(QMK_THREADS_PER_CTA == QMK_THREADS, "host and kernel disagree on the block size");
-static_assert((unsigned long long)QMK_VOCAB * QMK_HIDDEN * 2ull <= 0xffffffffull + 1ull,
+static_assert((unsigned long long)QMK_EMBED_ROWS * QMK_HIDDEN * 2ull <= 0xffffffffull + 1ull &&
+                  QMK_EMBED_ROWS >= QMK_VOCAB,
               "embedding/LM head rows are addressed with koff_t");
+// A tensor-parallel rank: QMK_VOCAB is its LM head's rows, QMK_EMBED_ROWS
+// the whole vocabulary (every rank embeds every token).
+static_assert(QMK_TP_RANKS >= 1 && QMK_TP_RANKS <= QMK_TP_MAX_RANKS &&
+                  (QMK_TP_RANKS == 1 || QMK_EMBED_ROWS == QMK_VOCAB * QMK_TP_RANKS),
+              "tensor-parallel group size");
 
 // The parameter block is passed by value and only ever read at constant
 // offsets (ld.param), so it is never copied to local memory.
 //
 // Grid barriers per step: 5 per layer (after qkv, attention, o_proj, gate_up,
-// down) + 1 (after the LM head, before the argmax reduce).
-static_assert(QMK_BARRIERS_PER_STEP == 5 * QMK_LAYERS + 1, "barrier count drifted");
+// down) + 1 (after the LM head, before the argmax reduce); a
+// tensor-parallel rank adds one after each all-reduce.
+static_assert(QMK_BARRIERS_PER_STEP == (QMK_TP_RANKS > 1 ? 7 : 5) * QMK_LAYERS + 1, "barrier count drifted");
 
 extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
     qmk_decode_step(const qmk::Params p) {
@@ -82,9 +95,9 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
     if (p.flags & kFlagTokenFromArgmax) token = ld_volatile_u32(p.argmax_out);
     const u32 pos = p.pos;
     // Uniform across the grid: every CTA returns before any barrier.
-    if (token >= QMK_VOCAB || pos >= p.kv_capacity) {
+    if (token >= QMK_EMBED_ROWS || pos >= p.kv_capacity) {
         if (blockIdx.x == 0 && threadIdx.x == 0)
-            record_error(p, token >= QMK_VOCAB ? kErrBadToken : kErrBadPos, kPhaseStart, 0);
+            record_error(p, token >= QMK_EMBED_ROWS ? kErrBadToken : kErrBadPos, kPhaseStart, 0);
         return;
     }
 
@@ -118,15 +131,35 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
         if (!bar.sync(p, kPhaseAttention, layer)) return;
         if (!(skip & 4u)) o_proj(p, layer, token, xs);
         if (!bar.sync(p, kPhaseOProj, layer)) return;
+#if QMK_TP_RANKS > 1
+        if (!tp_all_reduce(
+                p, 2u * layer, [&](u32 i) { return residual(p, layer, token, i); }, kPhaseTpOProj, layer))
+            return;
+        if (!bar.sync(p, kPhaseTpOProj, layer)) return;
+#endif
         if (!(skip & 8u)) mlp_gate_up(p, layer, xs, red);
         if (!bar.sync(p, kPhaseGateUp, layer)) return;
         if (!(skip & 16u)) mlp_down(p, layer, xs);
         if (!bar.sync(p, kPhaseDown, layer)) return;
+#if QMK_TP_RANKS > 1
+        if (!tp_all_reduce(
+                p, 2u * layer + 1u, [&](u32 i) { return reinterpret_cast<const float*>(p.x)[i]; },
+                kPhaseTpDown, layer))
+            return;
+        if (!bar.sync(p, kPhaseTpDown, layer)) return;
+#endif
     }
     if (!(skip & 32u)) lm_head<kDecodeNormBatch, true>(p, xs, red);
     if (!bar.sync(p, kPhaseLmHead, QMK_LAYERS)) return;
     if (blockIdx.x == 0) {
+#if QMK_TP_RANKS > 1
+        float best = -QMK_INF;
+        u32 pick = argmax<true>(p, &best);
+        // Every rank folds the same picks in the same order: one pick.
+        if (threadIdx.x == 0 && !tp_argmax(p, best, pick)) return;  // error recorded
+#else
         const u32 pick = argmax(p);
+#endif
         if (threadIdx.x == 0) {
             *reinterpret_cast<u32*>(p.argmax_out) = pick;
             volatile HostStatus* st = reinterpret_cast<volatile HostStatus*>(p.status);

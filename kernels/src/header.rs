@@ -120,6 +120,9 @@ pub struct KernelBuild {
     pub prefill_smem_bytes_wgmma: Option<u32>,
     /// Grid barriers per prefill chunk (8 per layer + 1).
     pub prefill_barriers: u32,
+    /// Ranks of the tensor-parallel group the build is for (1: one GPU;
+    /// [`KernelBuild::for_rank`]).
+    pub(crate) tp_ranks: u32,
 }
 
 impl KernelBuild {
@@ -171,6 +174,9 @@ impl KernelBuild {
     /// [`crate::params::MULTI_MAX_TOKENS`]. Below 2 there is no multi-token
     /// step (its entries are not compiled).
     pub fn multi_max_tokens(&self, arch: crate::Arch) -> u32 {
+        if self.tp_ranks > 1 {
+            return 0;
+        }
         let h = self.config.hidden_size as u64;
         let stride = h.div_ceil(32) * 32;
         let fit = u64::from(self.multi_smem_for(arch) / 4) / stride.max(1);
@@ -255,6 +261,19 @@ impl KernelBuild {
 
     /// Renders the headers for a given plan (tests force other plans).
     pub fn with_plan(config: &Config, plan: ModelPlan) -> Result<KernelBuild> {
+        let rows = config.vocab_size as u64;
+        Self::with_plan_tp(config, plan, 1, rows)
+    }
+
+    /// [`KernelBuild::with_plan`] for one rank of `ranks` (1: one GPU):
+    /// `config` and `plan` are the rank's, `embed_rows` the rows of the
+    /// whole embedding table (every rank holds it).
+    pub(crate) fn with_plan_tp(
+        config: &Config,
+        plan: ModelPlan,
+        ranks: u32,
+        embed_rows: u64,
+    ) -> Result<KernelBuild> {
         config.validate()?;
         let h = dim("hidden_size", config.hidden_size)?;
         let i = dim("intermediate_size", config.intermediate_size)?;
@@ -294,6 +313,17 @@ impl KernelBuild {
             "vocab_size",
             format!("the [{v}, {h}] bf16 table exceeds the 32-bit row offsets"),
         )?;
+
+        need(
+            embed_rows >= v
+                && embed_rows
+                    .checked_mul(h)
+                    .and_then(|x| x.checked_mul(2))
+                    .is_some_and(|b| b <= 1 << 32),
+            "vocab_size",
+            format!("the [{embed_rows}, {h}] bf16 embedding exceeds the 32-bit row offsets"),
+        )?;
+        let region = crate::tp::TpRegion::new(h)?;
 
         for name in KERNEL_TENSORS {
             let t = plan.tensor(name);
@@ -349,9 +379,14 @@ impl KernelBuild {
             Ok(floats)
         };
         let smem_floats = (smem_floats_with(8)?, smem_floats_with(16)?);
-        let barriers = l * 5 + 1;
+        // A rank adds a barrier after each of its two all-reduces a layer.
+        let barriers = l * if ranks > 1 { 7 } else { 5 } + 1;
+        // A rank build has no prefill kernel (prefill/chunk.cuh).
         need(
-            h % PREFILL_GEMM_TILE.2 == 0 && q % PREFILL_GEMM_TILE.2 == 0 && i % PREFILL_GEMM_TILE.2 == 0,
+            ranks > 1
+                || (h % PREFILL_GEMM_TILE.2 == 0
+                    && q % PREFILL_GEMM_TILE.2 == 0
+                    && i % PREFILL_GEMM_TILE.2 == 0),
             "hidden_size",
             format!(
                 "the prefill GEMM needs hidden ({h}), q_dim ({q}) and intermediate ({i}) in multiples of {}",
@@ -384,6 +419,10 @@ impl KernelBuild {
             ("QMK_STAGE_VECTORS", STAGE_VECTORS),
             ("QMK_PAIR_BATCH_MOST", PAIR_BATCH_MOST),
             ("QMK_MT_WIDE_FROM", MULTI_WIDE_FROM),
+            ("QMK_EMBED_ROWS", embed_rows),
+            ("QMK_TP_FLAGS_OFF", region.flags),
+            ("QMK_TP_FAILED_OFF", region.failed),
+            ("QMK_TP_PICKS_OFF", region.picks),
         ];
         let rendered = qmk_layout::try_render_header(&plan, &consts)?;
         // The constants live in namespace qmk_plan; the kernel uses them
@@ -396,6 +435,10 @@ impl KernelBuild {
                 "constexpr unsigned long long {name} = qmk_plan::{name};\n"
             ));
         }
+        // A macro, not a constant: the preprocessor keeps a rank build's
+        // exchanges out of one-GPU builds, and its prefill and multi-token
+        // entries out of rank builds.
+        plan_header.push_str(&format!("#define QMK_TP_RANKS {ranks}\n"));
         let params_check = params_check_header();
 
         let mut hasher = Sha256::new();
@@ -435,6 +478,7 @@ impl KernelBuild {
                 false => None,
             },
             prefill_barriers: pf_barriers as u32,
+            tp_ranks: ranks,
         })
     }
 

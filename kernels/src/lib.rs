@@ -25,6 +25,7 @@ mod header;
 pub mod nvrtc;
 pub mod params;
 pub mod source;
+mod tp;
 
 pub use compile::{
     default_cache_dir, include_dirs, parse_ptxas_log, Arch, Compiler, Cubin, Resources,
@@ -39,6 +40,8 @@ pub use nvrtc::Nvrtc;
 pub use params::{
     HostStatus, KernelParams, MultiParams, PrefillParams, ProbeFillParams, ProbeParams,
     StreamParams, SyncState, FLAG_ATTN_FORCE_SPLIT, FLAG_ATTN_NO_SPLIT, FLAG_DEBUG_HANG,
-    FLAG_DEBUG_OOB, FLAG_PF_MMA_SYNC, FLAG_PF_NO_STREAM_K, FLAG_TOKEN_FROM_ARGMAX, MAX_CHUNKS,
-    MULTI_MAX_TOKENS, SKIP_SHIFT, THREADS_PER_CTA,
+    FLAG_DEBUG_OOB, FLAG_DEBUG_TP_STOP, FLAG_PF_MMA_SYNC, FLAG_PF_NO_STREAM_K,
+    FLAG_TOKEN_FROM_ARGMAX, MAX_CHUNKS, MULTI_MAX_TOKENS, SKIP_SHIFT, THREADS_PER_CTA,
+    TP_MAX_RANKS,
 };
+pub use tp::TpRegion;

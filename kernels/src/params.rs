@@ -15,8 +15,8 @@ pub const THREADS_PER_CTA: u32 = 512;
 
 // Flag bits of [`KernelParams::flags`]: only what the product or its tests
 // use. With a bit clear, its hook or oracle leaves the default path's code
-// and results alone. Bits in use: 0, 1, 3, 5, 6, 8-13 (the skip mask), 18,
-// 19; the others are free.
+// and results alone. Bits in use: 0-6, 8-13 (the skip mask), 18-20; the
+// others are free.
 
 /// [`KernelParams::flags`], product: read the input token from
 /// `argmax_out` (the previous step's pick) instead of `token`, so greedy
@@ -67,6 +67,15 @@ pub const FLAG_PF_MMA_SYNC: u32 = 1 << 18;
 /// tile data-parallel (no stream-K split of small phases or of a short last
 /// wave); the stream-K test compares against it.
 pub const FLAG_PF_NO_STREAM_K: u32 = 1 << 19;
+
+/// [`KernelParams::flags`], test hook of a tensor-parallel rank: the rank
+/// returns at its first exchange without publishing or reporting anything,
+/// as a rank whose process died would; every other rank must then end the
+/// step with [`err::TP_TIMEOUT`] instead of hanging.
+pub const FLAG_DEBUG_TP_STOP: u32 = 1 << 20;
+
+/// Most ranks of a tensor-parallel group ([`KernelParams::tp_peer`]).
+pub const TP_MAX_RANKS: usize = 8;
 
 /// Cached positions (`pos + 1`) from which the split attention is the
 /// default (`qmk::kAttnSplitMinContext`).
@@ -171,6 +180,15 @@ pub struct KernelParams {
     /// aligned); the split attention's K/V stream on sm_90 and later. 0 on
     /// earlier archs.
     pub kv_maps: u64,
+    /// Tensor-parallel ranks only: every rank's exchange region (device
+    /// addresses, mapped for this rank; rank order, 0 past the group), laid
+    /// out as [`crate::TpRegion`] says. Unused by one-GPU builds.
+    pub tp_peer: [u64; TP_MAX_RANKS],
+    /// This rank's index in its tensor-parallel group (0 on one GPU).
+    pub tp_rank: u32,
+    /// Epoch before this step's first exchange: exchange k of the step
+    /// (0 ..= 2L) publishes `tp_epoch + k + 1` (wrapping).
+    pub tp_epoch: u32,
 }
 
 /// Most sequence blocks per kv head of the split attention (`qmk::kAttnMaxSplits`).
@@ -362,6 +380,11 @@ pub mod err {
     /// A wait on a counter (the split attention's tickets) ran past its
     /// time budget.
     pub const COUNTER_TIMEOUT: u32 = 5;
+    /// A tensor-parallel exchange waited past its time budget for a peer
+    /// rank that neither published nor reported a failure.
+    pub const TP_TIMEOUT: u32 = 6;
+    /// A peer rank of the tensor-parallel group reported a failure.
+    pub const TP_PEER_FAILED: u32 = 7;
 
     /// A short description of an error code.
     pub fn name(code: u32) -> &'static str {
@@ -372,6 +395,8 @@ pub mod err {
             BAD_TOKEN => "token out of the vocabulary",
             BAD_POS => "position past the KV capacity",
             COUNTER_TIMEOUT => "counter wait timed out",
+            TP_TIMEOUT => "a peer rank stopped publishing (tensor-parallel exchange timed out)",
+            TP_PEER_FAILED => "a peer rank failed",
             _ => "unknown error code",
         }
     }
@@ -396,6 +421,9 @@ pub fn phase_name(phase: u32) -> &'static str {
         13 => "prefill post_attention_layernorm",
         14 => "prefill mlp gate/up",
         15 => "prefill mlp down",
+        16 => "all-reduce of o_proj",
+        17 => "all-reduce of mlp down",
+        18 => "argmax across ranks",
         _ => "unknown phase",
     }
 }
@@ -441,12 +469,12 @@ pub fn params_check_header() -> String {
         "static_assert(QMK_MAX_CHUNKS == {MAX_CHUNKS}, \"QMK_MAX_CHUNKS differs from Rust MAX_CHUNKS\");\n"
     ));
     out.push_str(&format!(
-        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagTrace == {FLAG_TRACE}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagDebugNoTicket == {FLAG_DEBUG_NO_TICKET}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kFlagPfMmaSync == {FLAG_PF_MMA_SYNC}u && qmk::kFlagPfNoStreamK == {FLAG_PF_NO_STREAM_K}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n\
+        "static_assert(qmk::kFlagTokenFromArgmax == {FLAG_TOKEN_FROM_ARGMAX}u && qmk::kFlagDebugHang == {FLAG_DEBUG_HANG}u && qmk::kFlagTrace == {FLAG_TRACE}u && qmk::kFlagDebugOob == {FLAG_DEBUG_OOB}u && qmk::kFlagDebugNoTicket == {FLAG_DEBUG_NO_TICKET}u && qmk::kFlagAttnNoSplit == {FLAG_ATTN_NO_SPLIT}u && qmk::kFlagAttnForceSplit == {FLAG_ATTN_FORCE_SPLIT}u && qmk::kFlagPfMmaSync == {FLAG_PF_MMA_SYNC}u && qmk::kFlagPfNoStreamK == {FLAG_PF_NO_STREAM_K}u && qmk::kFlagDebugTpStop == {FLAG_DEBUG_TP_STOP}u && qmk::kSkipShift == {SKIP_SHIFT}u, \"flags differ\");\n\
          static_assert(qmk::kAttnMaxSplits == {ATTN_MAX_SPLITS}u && qmk::kAttnSplitMinContext == {ATTN_SPLIT_MIN_CONTEXT}u && qmk::kAttnMarks == {ATTN_MARKS}u, \"split attention constants differ\");\n"
     ));
     out.push_str(&format!(
-        "static_assert(qmk::kErrBarrierTimeout == {}u && qmk::kErrAborted == {}u && qmk::kErrBadToken == {}u && qmk::kErrBadPos == {}u && qmk::kErrCounterTimeout == {}u, \"error codes differ\");\n",
-        err::BARRIER_TIMEOUT, err::ABORTED, err::BAD_TOKEN, err::BAD_POS, err::COUNTER_TIMEOUT
+        "static_assert(qmk::kErrBarrierTimeout == {}u && qmk::kErrAborted == {}u && qmk::kErrBadToken == {}u && qmk::kErrBadPos == {}u && qmk::kErrCounterTimeout == {}u && qmk::kErrTpTimeout == {}u && qmk::kErrTpPeerFailed == {}u && QMK_TP_MAX_RANKS == {TP_MAX_RANKS}, \"error codes differ\");\n",
+        err::BARRIER_TIMEOUT, err::ABORTED, err::BAD_TOKEN, err::BAD_POS, err::COUNTER_TIMEOUT, err::TP_TIMEOUT, err::TP_PEER_FAILED
     ));
     check_struct!(
         out,
@@ -493,6 +521,9 @@ pub fn params_check_header() -> String {
             attn_part,
             trace,
             kv_maps,
+            tp_peer[0],
+            tp_rank,
+            tp_epoch,
         ]
     );
     // `base` is at offset 0; its size is asserted through `tokens`' offset.
@@ -632,7 +663,7 @@ mod tests {
     fn sizes_are_what_the_cuda_twin_expects() {
         assert_eq!(
             size_of::<KernelParams>(),
-            15 * MAX_CHUNKS * 8 + 18 * 8 + 6 * 4
+            15 * MAX_CHUNKS * 8 + 18 * 8 + 6 * 4 + TP_MAX_RANKS * 8 + 2 * 4
         );
         assert_eq!(size_of::<SyncState>(), 32);
         assert_eq!(size_of::<HostStatus>(), 32);
@@ -664,6 +695,7 @@ mod tests {
             FLAG_ATTN_FORCE_SPLIT,
             FLAG_PF_MMA_SYNC,
             FLAG_PF_NO_STREAM_K,
+            FLAG_DEBUG_TP_STOP,
         ];
         let mut seen = 63u32 << SKIP_SHIFT;
         for f in flags {

@@ -30,6 +30,7 @@ pub const HEADERS: &[(&str, &str)] = headers!(
     "core/barrier.cuh",
     "decode/matvec.cuh",
     "decode/embed.cuh",
+    "decode/tp.cuh",
     "decode/rms_norm.cuh",
     "decode/qkv_proj.cuh",
     "decode/attention.cuh",

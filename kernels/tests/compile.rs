@@ -135,3 +135,52 @@ fn prefill_kernel_is_in_the_cubin() {
         assert!(r.registers > 0 && r.registers <= 128, "{r}");
     }
 }
+
+/// A tensor-parallel rank's build compiles with its exchanges, holds the
+/// one-token step only (no prefill, no multi-token entries) and keeps the
+/// decode step's registers within the cap.
+#[test]
+fn rank_builds_compile_with_the_decode_step_only() {
+    let Some(c) = compiler() else { return };
+    let jobs = [
+        ("0.5b", 2, Arch::SM90),
+        ("72b", 8, Arch::SM90),
+        ("32b", 4, Arch::SM80),
+    ];
+    std::thread::scope(|s| {
+        let handles: Vec<_> = jobs
+            .iter()
+            .map(|&(preset, ranks, arch)| {
+                let c = &c;
+                s.spawn(move || {
+                    let config = Config::preset(preset).unwrap();
+                    let build = KernelBuild::for_rank(&config, ranks).unwrap();
+                    let cubin = c
+                        .compile(&build, arch)
+                        .unwrap_or_else(|e| panic!("{preset} TP {ranks} {arch}: {e}"));
+                    let res = cubin.resources();
+                    let names: Vec<&str> = res.iter().map(|r| r.function.as_str()).collect();
+                    let step = res
+                        .iter()
+                        .find(|r| r.function == "qmk_decode_step")
+                        .unwrap_or_else(|| {
+                            panic!("{preset} TP {ranks}: no decode step: {names:?}")
+                        });
+                    assert!(
+                        !names.iter().any(|n| n.starts_with("qmk_decode_multi")
+                            || *n == qmk_kernels::source::entry::PREFILL_CHUNK),
+                        "{preset} TP {ranks}: {names:?}"
+                    );
+                    assert!(step.registers > 0 && step.registers <= 128, "{step}");
+                    println!(
+                        "{preset:>5} TP {ranks} {arch}: {step}, {} barriers/step",
+                        build.barriers_per_step
+                    );
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    });
+}

@@ -159,6 +159,29 @@ impl Driver for CudarcDriver {
         self.ctx.bind_to_thread().map_err(code)
     }
 
+    fn can_access_peer(ordinal: usize, peer: usize) -> Result<bool, CudaCode> {
+        if ordinal == peer {
+            return Ok(true);
+        }
+        let mut can: std::ffi::c_int = 0;
+        // SAFETY: valid device handles and out pointer.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, device(ordinal)?, device(peer)?) }
+            .result()
+            .map_err(code)?;
+        Ok(can != 0)
+    }
+
+    fn enable_peer_access(&self, peer: &Self) -> Result<(), CudaCode> {
+        self.bind()?;
+        // SAFETY: the peer's context is a live primary context.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.cu_ctx(), 0) } {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+                Ok(())
+            }
+            e => Err(CudaCode(e as u32)),
+        }
+    }
+
     fn mem_info(&self) -> Result<(u64, u64), CudaCode> {
         let (free, total) = result::mem_get_info().map_err(code)?;
         Ok((free as u64, total as u64))

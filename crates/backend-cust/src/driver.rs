@@ -179,6 +179,31 @@ impl Driver for CustDriver {
         CurrentContext::set_current(&self.ctx).map_err(code)
     }
 
+    fn can_access_peer(ordinal: usize, peer: usize) -> Result<bool, CudaCode> {
+        if ordinal == peer {
+            return Ok(true);
+        }
+        let (a, b) = (device(ordinal)?, device(peer)?);
+        let mut can: c_int = 0;
+        // SAFETY: valid device handles and out pointer.
+        let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, a.as_raw(), b.as_raw()) };
+        match r {
+            sys::CUresult::CUDA_SUCCESS => Ok(can != 0),
+            e => Err(CudaCode(e as u32)),
+        }
+    }
+
+    fn enable_peer_access(&self, peer: &Self) -> Result<(), CudaCode> {
+        self.bind()?;
+        // SAFETY: the peer's context is a live primary context.
+        match unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.as_raw(), 0) } {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+                Ok(())
+            }
+            e => Err(CudaCode(e as u32)),
+        }
+    }
+
     fn mem_info(&self) -> Result<(u64, u64), CudaCode> {
         let (free, total) = mem_get_info().map_err(code)?;
         Ok((free as u64, total as u64))

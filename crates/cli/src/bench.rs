@@ -146,6 +146,16 @@ pub struct BenchArgs {
     #[arg(long, value_name = "N", default_value_t = 256, allow_negative_numbers = true,
           value_parser = whole::<usize>(1..=MAX_STEPS))]
     max_new_tokens: usize,
+    /// Tensor parallelism: the decode bench over N ranks, one per GPU
+    /// (devices 0 .. N-1); the model's KV heads must divide by N.
+    #[arg(long, value_name = "N", default_value_t = 1, allow_negative_numbers = true,
+          value_parser = whole::<usize>(1..=qmk_kernels::TP_MAX_RANKS as i64),
+          conflicts_with_all = ["profile", "multi_tokens", "prefill", "prompts"])]
+    tp: usize,
+    /// With --tp: every rank on --device, each on its share of the SMs (the
+    /// group's protocol on one GPU; its floor is that GPU's).
+    #[arg(long, requires = "tp")]
+    tp_co_resident: bool,
     #[command(flatten)]
     speculate: SpeculateArgs,
 }
@@ -159,6 +169,11 @@ impl BenchArgs {
         if speculating && self.prompts.is_none() {
             return Err(usage(
                 "--speculate and --draft-model need --prompts (the synthetic bench times single steps)",
+            ));
+        }
+        if self.tp > 1 && self.context.iter().any(|&c| c != 0) {
+            return Err(usage(
+                "--tp times steps from position 0 (--context 0): it has no KV fill",
             ));
         }
         for (flag, n) in [("--context", self.context.len()), ("--ab", self.ab.len())] {
@@ -298,10 +313,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
             Box::new(SyntheticSource::new(&Config::preset(&a.preset)?, a.seed)?)
         }
     };
+    if a.tp > 1 {
+        qmk_model::tensor_parallel::check_ranks(source.config(), a.tp)
+            .with_context(|| format!("bench {} --tp {}", a.label(), a.tp))?;
+    }
     // Before uploading 100+ GB of weights: refuse what cannot fit.
     let gpu = crate::gpu::probe()?;
-    crate::gpu::check_fits(source.config(), capacity, prefill_chunk, &gpu)
-        .with_context(|| format!("bench {}", a.label()))?;
+    if a.tp > 1 {
+        crate::gpu::check_fits_tp(source.config(), capacity, a.tp, a.tp_co_resident, &gpu)
+            .with_context(|| format!("bench {} --tp {}", a.label(), a.tp))?;
+    } else {
+        crate::gpu::check_fits(source.config(), capacity, prefill_chunk, &gpu)
+            .with_context(|| format!("bench {}", a.label()))?;
+    }
     let opts = Options {
         device: a.device,
         capacity,
@@ -442,12 +466,100 @@ fn run_on<D: Driver>(a: &BenchArgs, source: &dyn WeightSource, opts: Options) ->
         );
         Some(b)
     };
+    if a.tp > 1 {
+        return tensor_parallel::<D>(a, source, opts, Bar(bar));
+    }
     let mut backend = GpuBackend::<D>::from_source(source, opts, &mut Bar(bar))
         .with_context(|| format!("setting up the {} backend for {}", D::NAME, a.label()))?;
     match a.prefill {
         Some(n) => prefill(a, &mut backend, n),
         None => decode(a, &mut backend),
     }
+}
+
+/// `bench --tp N`: greedy decode steps from position 0 queued back to back
+/// on every rank (`--warmup` untimed, then `--steps` timed on rank 0's
+/// stream: the mean step), against the floor of one rank's weight bytes
+/// per step at rank 0's GPU's streaming bandwidth (co-resident: all ranks'
+/// bytes, one GPU's bandwidth).
+fn tensor_parallel<D: Driver>(
+    a: &BenchArgs,
+    source: &dyn WeightSource,
+    opts: Options,
+    mut bar: Bar,
+) -> Result<()> {
+    let tp = qmk_gpu::TpOptions {
+        co_resident: a.tp_co_resident,
+        ..qmk_gpu::TpOptions::new(a.tp)
+    };
+    let label = format!("{} --tp {}", a.label(), a.tp);
+    let mut g = qmk_gpu::TpBackend::<D>::new(source, opts, &tp, &mut bar)
+        .with_context(|| format!("setting up the {} backend for {label}", D::NAME))?;
+    bar.finish();
+    let first = synthetic_prompt(1, source.config().vocab_size)[0];
+    let run = |g: &mut qmk_gpu::TpBackend<D>, n: usize| -> Result<std::time::Duration> {
+        qmk_engine::Backend::reset(g)?;
+        Ok(g.timed_steps(first, 0, n)?)
+    };
+    if a.warmup > 0 {
+        run(&mut g, a.warmup).with_context(|| format!("bench {label}: warm-up"))?;
+    }
+    let t = run(&mut g, a.steps).with_context(|| format!("bench {label}"))?;
+    let step_s = t.as_secs_f64() / a.steps as f64;
+    let gbps = g
+        .stream_bandwidth(a.stream_gib << 30, 10)
+        .with_context(|| format!("bench {label}: the streaming-read floor"))?;
+    let per_rank = g.ranks()[0].memory_plan().weight_bytes_per_step;
+    let gpu_bytes = if a.tp_co_resident {
+        per_rank.saturating_mul(a.tp as u64)
+    } else {
+        per_rank
+    };
+    let floor = gbps * 1e9 / gpu_bytes.max(1) as f64;
+    let tok_s = 1.0 / step_s;
+    let r0 = &g.ranks()[0];
+    let l = r0.launch_info();
+    if a.json {
+        let v = serde_json::json!({
+            "model": a.name(),
+            "backend": D::NAME,
+            "tp": a.tp,
+            "co_resident": a.tp_co_resident,
+            "device": r0.device().name,
+            "grid_per_rank": l.grid,
+            "steps": a.steps,
+            "step_ms": step_s * 1e3,
+            "tok_per_s": tok_s,
+            "stream_gbps": gbps,
+            "rank_bytes_per_step": per_rank,
+            "floor_tok_per_s": floor,
+            "fraction_of_floor": tok_s / floor,
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "bench {label} ({}): {} ranks {}, grid {} CTAs per rank",
+            D::NAME,
+            a.tp,
+            if a.tp_co_resident {
+                format!("co-resident on {}", r0.device().name)
+            } else {
+                format!("one per GPU ({})", r0.device().name)
+            },
+            l.grid
+        );
+        println!(
+            "  decode         {tok_s:>10.1} tok/s  ({:.3} ms/step, mean of {} steps back to back from position 0)",
+            step_s * 1e3,
+            a.steps
+        );
+        println!(
+            "  floor          {floor:>10.1} tok/s  ({:.2} GB read per GPU per step at {gbps:.0} GB/s): {:.1} % of it",
+            gpu_bytes as f64 / 1e9,
+            100.0 * tok_s / floor
+        );
+    }
+    Ok(())
 }
 
 /// The decode bench (and `--profile`) at every `--context`.

@@ -136,6 +136,18 @@ pub struct RunArgs {
     #[arg(long)]
     pub no_batched_prefill: bool,
 
+    /// Tensor parallelism: split the model over N GPUs (devices 0 .. N-1,
+    /// one megakernel launch each per step; the model's KV heads must divide
+    /// by N). On the CPU backend: the reference split the same way.
+    #[arg(long, value_name = "N", default_value_t = 1, allow_negative_numbers = true,
+          value_parser = whole::<usize>(1..=qmk_kernels::TP_MAX_RANKS as i64))]
+    pub tp: usize,
+
+    /// With --tp: run every rank on GPU 0, each on its share of the SMs
+    /// (checks the group on a machine with one GPU; no faster than one GPU).
+    #[arg(long, requires = "tp")]
+    pub tp_co_resident: bool,
+
     /// No progress bars, notes or stats on stderr (errors still show).
     #[arg(long, short = 'q')]
     pub quiet: bool,
@@ -330,8 +342,11 @@ impl SpeculateArgs {
             .map_err(engine_error)?;
         let cost = qmk_engine::draft::relative_cost(&draft.config, &target.config)
             .map_err(engine_error)?;
+        // The draft runs on one GPU whatever the target's group.
         let run = RunArgs {
             context: Some(capacity),
+            tp: 1,
+            tp_co_resident: false,
             ..run.clone()
         };
         let backend =
@@ -716,10 +731,13 @@ pub fn open_backend(
     let (kind, info) = match target {
         Target::Cpu => {
             check_cpu_memory(&model.config, capacity)?;
-            return cpu_backend(model.load_weights(ui)?, capacity);
+            return cpu_backend(model.load_weights(ui)?, capacity, run.tp);
         }
         Target::Gpu(kind, info) => (kind, info),
     };
+    if run.tp > 1 {
+        return open_group(model, kind, &info, run, capacity, ui);
+    }
     // Before reading anything: a model that cannot fit is refused here.
     let chunk = (!run.no_batched_prefill).then_some(run.prefill_chunk);
     gpu::check_fits(&model.config, capacity, chunk, &info)
@@ -764,13 +782,65 @@ pub fn open_backend(
                 info.name
             ));
             check_cpu_memory(&model.config, capacity)?;
-            cpu_backend(model.load_weights(ui)?, capacity)
+            cpu_backend(model.load_weights(ui)?, capacity, 1)
         }
         Err(e) => Err(anyhow!("--backend {}: {e}", kind.name())),
     }
 }
 
-fn cpu_backend(weights: Arc<Weights>, capacity: usize) -> Result<AnyBackend> {
+/// `--tp N` on GPUs: the model split over N ranks (N GPUs, or co-resident on
+/// one), refused with the reason when the machine or the model cannot take
+/// it; never a silent fallback to fewer GPUs.
+fn open_group(
+    model: &Model,
+    kind: BackendKind,
+    info: &gpu::GpuInfo,
+    run: &RunArgs,
+    capacity: usize,
+    ui: &Ui,
+) -> Result<AnyBackend> {
+    let flag = format!("--tp {}", run.tp);
+    gpu::check_fits_tp(&model.config, capacity, run.tp, run.tp_co_resident, info)
+        .map_err(|e| anyhow!("{flag}: {e}"))?;
+    let source = model.weight_source(ui)?;
+    let fit = run.context.is_none();
+    let max = model.config.max_context();
+    let asked = if fit { max.max(capacity) } else { capacity };
+    let tp = qmk_gpu::TpOptions {
+        co_resident: run.tp_co_resident,
+        ..qmk_gpu::TpOptions::new(run.tp)
+    };
+    let b = gpu::open_tp(
+        kind,
+        info,
+        &source,
+        asked,
+        fit,
+        run.cubin.as_deref(),
+        &tp,
+        ui,
+    )
+    .map_err(|e| anyhow!("{flag} (--backend {}): {e}", kind.name()))?;
+    ui.note(format!(
+        "using the {} backend over {} ranks ({}), context {} positions",
+        kind.name(),
+        run.tp,
+        if run.tp_co_resident {
+            format!("co-resident on {}", info.name)
+        } else {
+            format!("GPUs 0..{}", run.tp - 1)
+        },
+        b.capacity()
+    ));
+    Ok(b)
+}
+
+fn cpu_backend(weights: Arc<Weights>, capacity: usize, tp: usize) -> Result<AnyBackend> {
+    if tp > 1 {
+        let b = qmk_engine::CpuTpBackend::new(weights, tp, capacity)
+            .with_context(|| format!("--tp {tp}: cannot split the model"))?;
+        return Ok(AnyBackend::new(b));
+    }
     let b =
         qmk_engine::CpuBackend::new(weights, capacity).context("cannot start the cpu backend")?;
     Ok(AnyBackend::new(b))

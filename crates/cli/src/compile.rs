@@ -19,9 +19,15 @@ pub struct CompileArgs {
     /// Target architecture: sm_80, sm_89, sm_90, ...
     #[arg(long, default_value = "sm_90")]
     arch: String,
-    /// Output file (default: qwen-mk-PRESET-ARCH.cubin).
+    /// Output file (default: qwen-mk-PRESET-ARCH.cubin, or
+    /// qwen-mk-PRESET-tpN-ARCH.cubin with --tp).
     #[arg(short, long)]
     output: Option<PathBuf>,
+    /// The cubin of a tensor-parallel rank of an N-way group (every rank
+    /// loads the same one).
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = crate::common::whole::<usize>(1..=qmk_kernels::TP_MAX_RANKS as i64))]
+    tp: usize,
 }
 
 pub fn run(a: CompileArgs) -> Result<()> {
@@ -30,15 +36,22 @@ pub fn run(a: CompileArgs) -> Result<()> {
         None => Config::preset(&a.preset)?,
     };
     let arch = Arch::parse(&a.arch)?;
-    let build = KernelBuild::new(&config)?;
+    let build = if a.tp > 1 {
+        KernelBuild::for_rank(&config, a.tp).with_context(|| format!("--tp {}", a.tp))?
+    } else {
+        KernelBuild::new(&config)?
+    };
     let compiler = Compiler::new()?;
     let cubin = compiler
         .compile(&build, arch)
         .with_context(|| format!("compiling the megakernel for {arch}"))?;
-    let name = a
+    let mut name = a
         .config
         .as_ref()
         .map_or(a.preset.clone(), |_| "config".into());
+    if a.tp > 1 {
+        name += &format!("-tp{}", a.tp);
+    }
     let out = a
         .output
         .unwrap_or_else(|| PathBuf::from(format!("qwen-mk-{name}-{arch}.cubin")));

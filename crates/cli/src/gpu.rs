@@ -106,6 +106,71 @@ pub fn open(
     }
 }
 
+/// [`open`] for a tensor-parallel group (`tp`): every rank's upload and
+/// the compile shown the same way; no prefill kernel (a rank feeds its
+/// prompt as decode steps).
+#[allow(clippy::too_many_arguments)]
+pub fn open_tp(
+    kind: BackendKind,
+    gpu: &GpuInfo,
+    source: &dyn WeightSource,
+    capacity: usize,
+    fit: bool,
+    cubin: Option<&Path>,
+    tp: &qmk_gpu::TpOptions,
+    ui: &Ui,
+) -> Result<AnyBackend, GpuError> {
+    let opts = Options {
+        capacity,
+        fit_capacity: fit,
+        cubin: cubin.map(Path::to_path_buf),
+        prefill_chunk: None,
+        ..Default::default()
+    };
+    match kind {
+        BackendKind::Cudarc => {
+            open_group::<qmk_backend_cudarc::CudarcDriver>(gpu, source, opts, tp, ui)
+        }
+        #[cfg(feature = "cust")]
+        BackendKind::Cust => open_group::<qmk_backend_cust::CustDriver>(gpu, source, opts, tp, ui),
+        #[cfg(not(feature = "cust"))]
+        BackendKind::Cust => Err(GpuError::NoCustFeature),
+        BackendKind::Cpu => Err(GpuError::Other(
+            "the CPU backend is not a GPU backend".into(),
+        )),
+    }
+}
+
+fn open_group<D: Driver + 'static>(
+    gpu: &GpuInfo,
+    source: &dyn WeightSource,
+    opts: Options,
+    tp: &qmk_gpu::TpOptions,
+    ui: &Ui,
+) -> Result<AnyBackend, GpuError> {
+    let mut bars = Bars::new(ui);
+    let made = qmk_gpu::TpBackend::<D>::new(source, opts, tp, &mut bars);
+    bars.done();
+    made.map(AnyBackend::new)
+        .map_err(|e| memory_or_other(gpu, e))
+}
+
+fn memory_or_other(gpu: &GpuInfo, e: qmk_gpu::Error) -> GpuError {
+    match e {
+        qmk_gpu::Error::OutOfMemory {
+            what,
+            needed,
+            available,
+        } => GpuError::OutOfMemory {
+            device: gpu.name.clone(),
+            what,
+            need_gib: needed as f64 / GIB,
+            have_gib: available as f64 / GIB,
+        },
+        e => GpuError::Other(qmk_engine::error_chain(&e)),
+    }
+}
+
 fn open_with<D: Driver + 'static>(
     gpu: &GpuInfo,
     source: &dyn WeightSource,
@@ -115,20 +180,8 @@ fn open_with<D: Driver + 'static>(
     let mut bars = Bars::new(ui);
     let made = GpuBackend::<D>::from_source(source, opts, &mut bars);
     bars.done();
-    match made {
-        Ok(b) => Ok(AnyBackend::new(b)),
-        Err(qmk_gpu::Error::OutOfMemory {
-            what,
-            needed,
-            available,
-        }) => Err(GpuError::OutOfMemory {
-            device: gpu.name.clone(),
-            what,
-            need_gib: needed as f64 / GIB,
-            have_gib: available as f64 / GIB,
-        }),
-        Err(e) => Err(GpuError::Other(qmk_engine::error_chain(&e))),
-    }
+    made.map(AnyBackend::new)
+        .map_err(|e| memory_or_other(gpu, e))
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -162,6 +215,47 @@ pub fn check_fits(
                 "the weights ({weights} bytes), a KV cache of {capacity} positions ({} bytes) and \
                  scratch",
                 2 * plan.kv_cache_bytes
+            ),
+            need,
+            have: gpu.total_mem as u128,
+            place: "device memory",
+        });
+    }
+    Ok(())
+}
+
+/// [`check_fits`] for one rank of a `ranks`-way group (its shards and its
+/// share of the KV cache), times the ranks when they share the GPU: the
+/// split is refused here, naming the field, when the model cannot take it.
+pub fn check_fits_tp(
+    config: &qmk_model::Config,
+    capacity: usize,
+    ranks: usize,
+    co_resident: bool,
+    gpu: &GpuInfo,
+) -> Result<(), GpuError> {
+    qmk_model::tensor_parallel::check_ranks(config, ranks)
+        .map_err(|e| GpuError::Other(e.to_string()))?;
+    let rank = qmk_model::tensor_parallel::rank_config(config, ranks);
+    // The rank's plan counts its LM-head shard; the whole embedding table
+    // every rank holds is added on top.
+    let cap = u32::try_from(capacity)
+        .map_err(|_| GpuError::Other(format!("a context of {capacity} positions is too long")))?;
+    let plan = MemoryPlan::new(&rank, cap, gpu.sms.max(1), None)
+        .map_err(|e| GpuError::Other(e.to_string()))?;
+    let embed = (config.vocab_size as u128) * (config.hidden_size as u128) * 2;
+    let per_rank = plan.total_bytes as u128 + embed;
+    let need = if co_resident {
+        per_rank * ranks as u128
+    } else {
+        per_rank
+    };
+    if gpu.total_mem > 0 && need > gpu.total_mem as u128 {
+        return Err(GpuError::DoesNotFit {
+            device: gpu.name.clone(),
+            what: format!(
+                "{} rank(s) of {ranks} (each {per_rank} bytes: its shards, the whole embedding table                  and a KV cache of {capacity} positions)",
+                if co_resident { ranks } else { 1 }
             ),
             need,
             have: gpu.total_mem as u128,

@@ -165,6 +165,8 @@ pub fn run(b: SpecBench<'_>) -> Result<()> {
         cubin: b.cubin.clone(),
         prefill_chunk: qmk_gpu::DEFAULT_PREFILL_CHUNK,
         no_batched_prefill: false,
+        tp: 1,
+        tp_co_resident: false,
         quiet: b.json,
     };
     let draft = b

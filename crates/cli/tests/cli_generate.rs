@@ -228,3 +228,22 @@ fn chat_keeps_history_and_survives_a_full_context() {
         "{r:#?}"
     );
 }
+
+#[test]
+fn tensor_parallel_on_the_cpu_matches_one_rank_and_refuses_what_cannot_split() {
+    let Some(m) = dir() else { return };
+    let base = Generate::cpu(&m, "Hi").exactly("8").greedy().json();
+    let one = base.run();
+    one.assert_ok();
+    let two = base.clone().args(&["--tp", "2"]).run();
+    two.assert_ok();
+    assert_eq!(one.json()["output_ids"], two.json()["output_ids"]);
+    // The tiny model's 2 KV heads do not split among 4 ranks.
+    Generate::cpu(&m, "Hi")
+        .args(&["--tp", "4"])
+        .run()
+        .assert_error(&["--tp 4", "num_key_value_heads"]);
+    // Outside 1..=8: a usage error.
+    let r = Generate::cpu(&m, "Hi").args(&["--tp", "9"]).run();
+    assert_eq!(r.code, 2, "{r:#?}");
+}

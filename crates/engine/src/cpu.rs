@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use qmk_model::reference::{Logits, Reference, ReferenceOptions, Row};
-use qmk_model::{ModelError, Weights};
+use qmk_model::{ModelError, ShardedReference, Weights};
 
 use crate::sampling::argmax;
 use crate::{Backend, BackendKind, MultiStep, MultiStepOutput, StepOutput};
@@ -106,6 +106,62 @@ impl Backend for CpuBackend {
 
     fn reset(&mut self) -> Result<(), ModelError> {
         // Positions are rewritten from 0 by the next prompt; nothing to clear.
+        self.logits.clear();
+        Ok(())
+    }
+}
+
+/// The CPU reference split over the ranks of a tensor-parallel group
+/// ([`ShardedReference`]: each rank's shards, the all-reduces summed in rank
+/// order): what `--tp N` runs without a GPU, with the GPU group's numerics.
+pub struct CpuTpBackend {
+    reference: ShardedReference,
+    capacity: usize,
+    logits: Vec<f32>, // [V] of the last step
+}
+
+impl CpuTpBackend {
+    /// `weights` split over `ranks` ranks with KV caches of `capacity`
+    /// positions (refused, naming the field, when the model does not split
+    /// that way).
+    pub fn new(weights: Arc<Weights>, ranks: usize, capacity: usize) -> Result<Self, ModelError> {
+        Ok(CpuTpBackend {
+            reference: ShardedReference::new(weights, ranks, capacity)?,
+            capacity,
+            logits: Vec::new(),
+        })
+    }
+
+    /// Ranks in the group.
+    pub fn ranks(&self) -> usize {
+        self.reference.ranks()
+    }
+}
+
+impl Backend for CpuTpBackend {
+    type Error = ModelError;
+
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cpu
+    }
+
+    fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn step(&mut self, token: u32, pos: usize) -> Result<StepOutput, ModelError> {
+        self.logits = self.reference.step(token, pos)?;
+        Ok(StepOutput {
+            argmax: argmax(&self.logits),
+        })
+    }
+
+    fn logits(&mut self) -> Result<Vec<f32>, ModelError> {
+        Ok(self.logits.clone())
+    }
+
+    fn reset(&mut self) -> Result<(), ModelError> {
+        // Positions are rewritten from 0 by the next prompt.
         self.logits.clear();
         Ok(())
     }
@@ -278,6 +334,33 @@ mod tests {
             .generate(&prompt, &opts, |_| ControlFlow::Continue(()))
             .unwrap();
         assert_eq!(again.output_ids, want);
+    }
+
+    #[test]
+    fn engine_on_the_cpu_group_matches_its_sharded_reference_and_refuses_bad_groups() {
+        // 2 KV heads: 2 ranks split them; 4 do not.
+        let w = tiny_with(2, false);
+        let prompt = [5u32, 17, 250, 3];
+        let want = ShardedReference::new(w.clone(), 2, 64)
+            .unwrap()
+            .generate_greedy(&prompt, 12)
+            .unwrap();
+        let group = CpuTpBackend::new(w.clone(), 2, 64).unwrap();
+        assert_eq!((group.ranks(), group.capacity()), (2, 64));
+        let mut e = Engine::new(group, 300);
+        let opts = GenerateOptions {
+            max_new_tokens: 12,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        for _ in 0..2 {
+            let got = e
+                .generate(&prompt, &opts, |_| ControlFlow::Continue(()))
+                .unwrap();
+            assert_eq!(got.output_ids, want);
+        }
+        let bad = CpuTpBackend::new(w, 4, 64).err().unwrap().to_string();
+        assert!(bad.contains("num_key_value_heads"), "{bad}");
     }
 
     #[test]

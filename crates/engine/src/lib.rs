@@ -41,7 +41,7 @@ pub mod text;
 pub use backend::{
     Backend, BackendKind, MultiStep, MultiStepOutput, RunningMean, StepOutput, MAX_STEP_TOKENS,
 };
-pub use cpu::CpuBackend;
+pub use cpu::{CpuBackend, CpuTpBackend};
 pub use engine::{Engine, GenerateOptions, Generation, StopReason};
 pub use error::{error_chain, EngineError};
 pub use sampling::{Sampling, SamplingDefaults, SamplingRequest};

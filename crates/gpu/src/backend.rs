@@ -151,6 +151,10 @@ pub struct GpuBackend<D: Driver> {
     compile_time: Duration,
     pub(crate) prefill: Option<Prefill<D>>,
     pub(crate) multi: Option<Multi<D>>,
+    /// Launch cooperatively (the default); co-resident tensor-parallel
+    /// ranks share one GPU and launch plainly, each grid sized to its share
+    /// of the SMs.
+    cooperative: bool,
     costs: StepCosts,
     /// Device address of the last step's logits `[V]` f32 (the one-token
     /// buffer, or a row of the multi-token step's).
@@ -301,6 +305,23 @@ fn launch_shape<D: Driver>(
     })
 }
 
+/// What makes a GPU backend one rank of a tensor-parallel group
+/// ([`crate::TpBackend`]).
+#[derive(Debug, Clone)]
+pub(crate) struct RankSetup {
+    /// The rank build every rank of the group shares.
+    pub build: KernelBuild,
+    /// This rank's index.
+    pub rank: usize,
+    /// SMs the rank's grid spans: `Some` for ranks co-resident on one GPU
+    /// (each its share), `None` for one rank per GPU (all of them).
+    pub sms: Option<u32>,
+    /// Most device memory the rank may plan for, bytes: co-resident ranks
+    /// divide one GPU's free memory (a fitted KV cache must leave room for
+    /// the ranks after it).
+    pub free_share: Option<u64>,
+}
+
 impl<D: Driver> GpuBackend<D> {
     /// Uploads `weights` (split per the kernel's plan), compiles or loads the
     /// cubin for this device, and sizes the KV cache for `opts.capacity`.
@@ -316,12 +337,39 @@ impl<D: Driver> GpuBackend<D> {
     /// allocation.
     pub fn from_source(
         source: &dyn WeightSource,
+        opts: Options,
+        progress: &mut dyn Progress,
+    ) -> Result<Self> {
+        GpuBackend::open(source, opts, progress, None)
+    }
+
+    /// [`GpuBackend::from_source`], or with `rank` one rank of a
+    /// tensor-parallel group: `source` serves the rank's shards, the build
+    /// is the group's, and there is no prefill kernel and no multi-token
+    /// step.
+    pub(crate) fn open(
+        source: &dyn WeightSource,
         mut opts: Options,
         progress: &mut dyn Progress,
+        rank: Option<RankSetup>,
     ) -> Result<Self> {
         let mut info = device_info::<D>(opts.device)?;
         let driver = D::open(opts.device).map_err(Error::at("cuDevicePrimaryCtxRetain"))?;
         info.free_mem = driver.mem_info().map_err(Error::at("cuMemGetInfo"))?.0;
+        if let Some(r) = &rank {
+            if let Some(share) = r.free_share {
+                info.free_mem = info.free_mem.min(share);
+            }
+            // The memory plan below is the rank model's, whose embedding
+            // has its V / N rows; the rank holds the whole table.
+            let cfg = source.config();
+            let row = cfg.hidden_size as u64 * 2;
+            let more = (cfg.vocab_size as u64)
+                .checked_mul(u64::from(r.build.tp_ranks().saturating_sub(1)))
+                .and_then(|rows| rows.checked_mul(row))
+                .ok_or_else(|| Error::Overflow("a rank's embedding table".into()))?;
+            info.free_mem = info.free_mem.saturating_sub(more);
+        }
         let config = source.config().clone();
         let limit = u32::try_from(opts.capacity)
             .ok()
@@ -330,10 +378,16 @@ impl<D: Driver> GpuBackend<D> {
                 field: "capacity",
                 reason: format!("{} is outside 1..=2^32-1", opts.capacity),
             })?;
-        let build = match &opts.plan {
-            Some(plan) => KernelBuild::with_plan(&config, plan.clone())?,
-            None => KernelBuild::new(&config)?,
+        let build = match (&rank, &opts.plan) {
+            (Some(r), _) => r.build.clone(),
+            (None, Some(plan)) => KernelBuild::with_plan(&config, plan.clone())?,
+            (None, None) => KernelBuild::new(&config)?,
         };
+        if rank.is_some() {
+            opts.prefill_chunk = None;
+        }
+        // The SMs the grid spans: a co-resident rank's share, else all.
+        let sms = rank.as_ref().and_then(|r| r.sms).unwrap_or(info.sms);
         let device_name = format!("{} ({})", info.name, info.arch);
         if build.smem_for(info.arch) > info.max_smem_optin {
             return Err(Error::SharedMemory {
@@ -362,7 +416,7 @@ impl<D: Driver> GpuBackend<D> {
         // Device memory, before anything is compiled or uploaded: the plan
         // for one CTA per SM (the grid is known once the cubin is loaded;
         // only a few MB of scratch depend on it).
-        let grid = info.sms.max(1);
+        let grid = sms.max(1);
         let capacity = if opts.fit_capacity {
             let room = info.free_mem.saturating_sub(crate::plan::FIT_RESERVE_BYTES);
             crate::plan::largest_context(&config, room, grid, opts.prefill_chunk, limit)
@@ -433,6 +487,20 @@ impl<D: Driver> GpuBackend<D> {
             c.set(&mut params, buf.addr());
         }
         tie_embeddings(&config, &mut params);
+        if let Some(r) = &rank {
+            params.tp_rank = u32::try_from(r.rank)
+                .map_err(|_| Error::Overflow("tensor-parallel rank".into()))?;
+            if config.tie_word_embeddings {
+                // A tied rank's LM head is its rows of the whole embedding
+                // table, which every rank holds: rows rank x V/N onwards.
+                let skip = (config.vocab_size as u64)
+                    .checked_mul(config.hidden_size as u64 * 2)
+                    .and_then(|b| b.checked_mul(r.rank as u64))
+                    .and_then(|b| params.lm_head[0].checked_add(b))
+                    .ok_or_else(|| Error::Overflow("a rank's LM head rows".into()))?;
+                params.lm_head[0] = skip;
+            }
+        }
 
         // Module, fingerprint, functions.
         let module = driver.load_module(&cubin.bytes).map_err(|code| {
@@ -473,7 +541,7 @@ impl<D: Driver> GpuBackend<D> {
             &driver,
             funcs.step,
             build.smem_for(info.arch),
-            info.sms,
+            sms,
             opts.ctas_per_sm,
             &device_name,
             "decode",
@@ -633,6 +701,7 @@ impl<D: Driver> GpuBackend<D> {
             compile_time,
             prefill,
             multi,
+            cooperative: rank.as_ref().is_none_or(|r| r.sms.is_none()),
             costs: StepCosts::default(),
             last_logits: logits.addr(),
             stream,
@@ -823,7 +892,7 @@ impl<D: Driver> GpuBackend<D> {
                 grid,
                 block: THREADS_PER_CTA,
                 smem,
-                cooperative: true,
+                cooperative: self.cooperative,
             };
             self.driver.launch(f, shape, &self.stream, p)
         };

@@ -216,6 +216,13 @@ pub trait Driver: Sized {
     fn open(ordinal: usize) -> Result<Self, CudaCode>;
     /// Makes the context current on the calling thread.
     fn bind(&self) -> Result<(), CudaCode>;
+    /// Whether device `ordinal` can map device `peer`'s memory
+    /// (`cuDeviceCanAccessPeer`; a device and itself: true).
+    fn can_access_peer(ordinal: usize, peer: usize) -> Result<bool, CudaCode>;
+    /// Maps `peer`'s allocations into this context (`cuCtxEnablePeerAccess`,
+    /// with this context current); a mapping that already exists is not
+    /// an error. Both contexts are primary contexts of different devices.
+    fn enable_peer_access(&self, peer: &Self) -> Result<(), CudaCode>;
     /// (free, total) device memory, bytes.
     fn mem_info(&self) -> Result<(u64, u64), CudaCode>;
     /// Waits for all work of the context (legacy-stream copies and memsets

@@ -147,6 +147,22 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// Fewer CUDA devices than a tensor-parallel group's ranks.
+    #[error("tensor parallelism over {wanted} GPUs needs {wanted} CUDA devices; this machine has {found} (co-resident ranks run on one)")]
+    Devices {
+        /// Ranks asked for.
+        wanted: usize,
+        /// Devices the driver reports.
+        found: usize,
+    },
+    /// A tensor-parallel rank's failure (the group needs a reset).
+    #[error("tensor-parallel rank {rank}: {source}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// Its error.
+        source: Box<Error>,
+    },
     /// Size arithmetic overflowed.
     #[error("size of {0} overflows")]
     Overflow(String),
@@ -201,7 +217,11 @@ impl Error {
 
     /// `true` for the errors after which the engine is gone for good.
     pub fn is_unusable(&self) -> bool {
-        matches!(self, Error::Unusable { .. })
+        match self {
+            Error::Unusable { .. } => true,
+            Error::Rank { source, .. } => source.is_unusable(),
+            _ => false,
+        }
     }
 }
 

@@ -34,6 +34,7 @@ mod probe;
 pub mod staging;
 pub mod stats;
 mod status;
+mod tp;
 pub mod trace;
 pub mod upload;
 
@@ -53,6 +54,7 @@ pub use plan::{largest_context, LaunchInfo, MemoryPlan, FIT_RESERVE_BYTES, MAX_K
 pub use probe::{ProbeReport, ProbeRun};
 pub use staging::{PlannedChunk, WeightSource};
 pub use stats::{BenchOptions, BenchReport, LaunchOverhead, PrefillReport};
+pub use tp::{RankSource, TpBackend, TpOptions};
 pub use trace::{AttentionParts, StepTrace, Timeline, TimelineRow};
 pub use upload::{UploadOptions, UploadStats};
 
@@ -65,11 +67,14 @@ macro_rules! driver_api {
         pub use $crate::{
             AttentionParts, BenchOptions, BenchReport, CudaCode, DeviceInfo, Error, LaunchInfo,
             LaunchOverhead, MemoryPlan, Options, PrefillReport, ProbeReport, ProbeRun, Progress,
-            Result, StepTrace, Timeline, TimelineRow, UploadOptions, UploadStats,
+            Result, StepTrace, Timeline, TimelineRow, TpOptions, UploadOptions, UploadStats,
         };
 
         #[doc = concat!("The megakernel engine on one GPU through ", $binding, ".")]
         pub type $backend = $crate::GpuBackend<$driver>;
+
+        #[doc = concat!("The megakernel engine over a tensor-parallel group of GPUs through ", $binding, ".")]
+        pub type TpBackend = $crate::TpBackend<$driver>;
 
         /// Number of CUDA devices ([`Error::NoDriver`] without a CUDA
         /// driver, [`Error::NoDevice`] without a device).

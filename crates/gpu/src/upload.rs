@@ -414,6 +414,12 @@ pub(crate) mod mock {
         fn bind(&self) -> Result<(), CudaCode> {
             Ok(())
         }
+        fn can_access_peer(_: usize, _: usize) -> Result<bool, CudaCode> {
+            Ok(false)
+        }
+        fn enable_peer_access(&self, _: &Self) -> Result<(), CudaCode> {
+            Err(CudaCode(1))
+        }
         fn mem_info(&self) -> Result<(u64, u64), CudaCode> {
             Ok(with(|s| {
                 let used: u64 = s.mem.values().map(|v| v.len() as u64).sum();

@@ -123,6 +123,22 @@ pub fn vocab_range(config: &Config, ranks: usize, rank: usize) -> Range<usize> {
     rank * per..(rank + 1) * per
 }
 
+/// The model one rank of `ranks` computes: its query and KV heads, its
+/// intermediate slice and its vocabulary rows (`vocab_size` is the LM
+/// head's rows per rank; the embedding table stays whole on every rank).
+/// `head_dim` is explicit, since hidden / heads no longer gives it. Call
+/// [`check_ranks`] first: the divisions assume it passed.
+pub fn rank_config(config: &Config, ranks: usize) -> Config {
+    let ranks = ranks.max(1);
+    let mut c = config.clone();
+    c.num_attention_heads = config.num_attention_heads / ranks;
+    c.num_key_value_heads = Some(config.num_kv_heads() / ranks);
+    c.head_dim = Some(config.head_dim());
+    c.intermediate_size = config.intermediate_size / ranks;
+    c.vocab_size = config.vocab_size / ranks;
+    c
+}
+
 /// Indices `range` of axis `axis` of a row-major tensor `data` of `shape`,
 /// as its own row-major tensor.
 fn take(data: &[bf16], shape: &[usize], axis: usize, range: Range<usize>) -> Vec<bf16> {
@@ -155,12 +171,7 @@ impl RankWeights {
         let (qn, kvn, inn) = (q / ranks, kv / ranks, i / ranks);
         let r = |n: usize| rank * n..(rank + 1) * n;
         let vocab = vocab_range(&w.config, ranks, rank);
-        let mut config = w.config.clone();
-        config.num_attention_heads = d.heads / ranks;
-        config.num_key_value_heads = Some(d.kv_heads / ranks);
-        config.head_dim = Some(d.head_dim);
-        config.intermediate_size = inn;
-        config.vocab_size = vocab.len();
+        let mut config = rank_config(&w.config, ranks);
         // The rank holds its own LM-head rows, even of a tied table.
         config.tie_word_embeddings = false;
         let dims = Dims {

@@ -20,7 +20,9 @@
 
 namespace qmk {
 
-// First error wins; its details go to the host-visible status block.
+// First error wins; its details go to the host-visible status block. A
+// tensor-parallel rank also marks itself failed in every peer's region, so
+// the peers' exchange waits end at once instead of timing out.
 __device__ __forceinline__ void record_error(const Params& p, u32 code, u32 phase, u32 layer) {
     SyncState* s = reinterpret_cast<SyncState*>(p.sync);
     if (atomicCAS(&s->error_claim, 0u, code) == 0u) {
@@ -29,6 +31,11 @@ __device__ __forceinline__ void record_error(const Params& p, u32 code, u32 phas
         st->layer = layer;
         st->cta = blockIdx.x;
         st->error = code;
+#if QMK_TP_RANKS > 1
+#pragma unroll
+        for (u32 k = 0; k < QMK_TP_RANKS; ++k)
+            st_release_sys_u32(reinterpret_cast<u32*>(p.tp_peer[k] + QMK_TP_FAILED_OFF) + p.tp_rank, code);
+#endif
         __threadfence_system();
     }
 }

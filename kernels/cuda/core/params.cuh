@@ -7,6 +7,7 @@
 #pragma once
 
 #define QMK_MAX_CHUNKS 16
+#define QMK_TP_MAX_RANKS 8
 
 namespace qmk {
 
@@ -64,6 +65,10 @@ struct Params {
                           // caches as [L * C, KV] bf16 in boxes of kAttnTile
                           // rows x D: the split attention's bulk copies
                           // (sm_90 and later; 0 elsewhere)
+    u64 tp_peer[QMK_TP_MAX_RANKS];  // tensor-parallel ranks: every rank's exchange
+                          // region (decode/tp.cuh), rank order; 0 past the group
+    u32 tp_rank;          // this rank's index (0 on one GPU)
+    u32 tp_epoch;         // exchange k of the step publishes tp_epoch + k + 1
 };
 
 // Most sequence blocks per kv head of the split attention (sizes its
@@ -78,7 +83,7 @@ constexpr u32 kAttnMarks = 4u;
 
 // Flag bits of Params::flags. Only what the product or its tests use; each
 // test hook or oracle leaves the default path's code and results unchanged
-// when its bit is clear. Bits in use: 0-6, 8-13 (the skip mask), 18, 19.
+// when its bit is clear. Bits in use: 0-6, 8-13 (the skip mask), 18-20.
 //
 // Product: read the token from argmax_out (the previous step's pick)
 // instead of Params::token: back-to-back greedy decoding with no host
@@ -116,6 +121,10 @@ constexpr u32 kFlagPfMmaSync = 1u << 18;
 // Oracle (prefill kernel, wgmma GEMM): every tile data-parallel, no
 // stream-K split; the stream-K test compares against it.
 constexpr u32 kFlagPfNoStreamK = 1u << 19;
+// Fault test (tensor-parallel ranks): this rank returns at its first
+// exchange without publishing or reporting, as a rank whose process died;
+// every peer must end the step with kErrTpTimeout, not hang.
+constexpr u32 kFlagDebugTpStop = 1u << 20;
 // Profiling (bench --profile): bits kSkipShift + 0..5 skip phases (qkv,
 // attention, o_proj, gate_up, down, lm_head) while keeping every barrier;
 // time(full) - time(skip X) is what X costs. Results are garbage in these
@@ -145,9 +154,12 @@ struct HostStatus {
 };
 
 constexpr u32 kErrNone = 0, kErrBarrierTimeout = 1, kErrAborted = 2, kErrBadToken = 3,
-              kErrBadPos = 4, kErrCounterTimeout = 5;
+              kErrBadPos = 4, kErrCounterTimeout = 5, kErrTpTimeout = 6, kErrTpPeerFailed = 7;
 constexpr u32 kPhaseStart = 0, kPhaseQkv = 1, kPhaseAttention = 2, kPhaseOProj = 3,
               kPhaseGateUp = 4, kPhaseDown = 5, kPhaseLmHead = 6, kPhaseArgmax = 7;
+// Tensor-parallel ranks: the all-reduces after o_proj and down, the argmax
+// across the ranks' vocabulary shards.
+constexpr u32 kPhaseTpOProj = 16, kPhaseTpDown = 17, kPhaseTpArgmax = 18;
 // Phases of the prefill kernel (qmk_prefill_chunk). kPhasePfRope is the
 // mma.sync path's rope phase; on the wgmma path its work is in the q/k/v
 // epilogue and only its barrier remains.

@@ -5,8 +5,12 @@
 
 namespace qmk {
 
-// Returns the pick in thread 0 (warp 0 only does the work).
-__device__ __forceinline__ u32 argmax(const Params& p) {
+// Returns the pick in thread 0 (warp 0 only does the work); with kValue,
+// its logit in *best too (a tensor-parallel rank folds picks by value). The
+// one-GPU step keeps the plain form: an output reference there changed its
+// register allocation.
+template <bool kValue = false>
+__device__ __forceinline__ u32 argmax(const Params& p, float* best = nullptr) {
     u32 result = 0xffffffffu;
     if (threadIdx.x < 32) {
         const float* pv = reinterpret_cast<const float*>(p.partial_val);  // [grid] f32
@@ -31,6 +35,7 @@ __device__ __forceinline__ u32 argmax(const Params& p) {
             }
         }
         result = bi;
+        if constexpr (kValue) *best = bv;
     }
     return result;
 }

@@ -1,7 +1,8 @@
 // decode/mlp.cuh: the SiLU MLP, two phases of a layer.
 //   gate_up (phase 4): post_attention_layernorm, then h[r] = silu(gate[r]) * up[r]
 //                      (one warp computes both rows r: shared activation reads)
-//   down    (phase 5): x[r] += down[layer, r, :] . h
+//   down    (phase 5): x[r] += down[layer, r, :] . h (a tensor-parallel rank
+//                      writes its partial instead, as o_proj does)
 #pragma once
 
 namespace qmk {
@@ -35,10 +36,17 @@ __device__ __forceinline__ void mlp_down(const Params& p, u32 layer, float* xs) 
     constexpr bool kStage = copied_stages<(int)QMK_INTER>();
     float* ws = copied_prologue<(int)QMK_INTER, kStage>(reinterpret_cast<const float*>(p.mlp_h),
                                                         QMK_HIDDEN, rows_of, xs);
+#if QMK_TP_RANKS > 1
+    float* x = tp_partial(p, p.tp_rank, tp_epoch(p, 2u * layer + 1u));  // [H] f32 partial
+    const bool lane0 = (threadIdx.x & 31) == 0;
+    weight_phase<(int)QMK_INTER, 1, kStage>(
+        QMK_HIDDEN, xs, rows_of, [](u32) { return 0.0f; },
+#else
     float* x = reinterpret_cast<float*>(p.x);  // [H] f32
     const bool lane0 = (threadIdx.x & 31) == 0;
     weight_phase<(int)QMK_INTER, 1, kStage>(
         QMK_HIDDEN, xs, rows_of, [&](u32 r) { return lane0 ? x[r] : 0.0f; },
+#endif
         [&](u32 r, const float (&o)[1], float res) {
             if (lane0) x[r] = res + o[0];
         },

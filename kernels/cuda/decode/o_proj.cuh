@@ -1,6 +1,8 @@
 // decode/o_proj.cuh: attention output projection + residual (phase 3 of a layer):
 // x[r] = residual[r] + o_proj[layer, r, :] . attn. One warp per row; each row
-// of x is written by exactly one warp.
+// of x is written by exactly one warp. A tensor-parallel rank writes its
+// partial (its heads' share of the dot product) to its exchange region
+// instead; the all-reduce adds the residual (decode/tp.cuh).
 #pragma once
 
 namespace qmk {
@@ -11,10 +13,17 @@ __device__ __forceinline__ void o_proj(const Params& p, u32 layer, u32 token, fl
     constexpr bool kStage = copied_stages<(int)QMK_Q_DIM>();
     float* ws = copied_prologue<(int)QMK_Q_DIM, kStage>(reinterpret_cast<const float*>(p.attn),
                                                         QMK_HIDDEN, rows_of, xs);
+#if QMK_TP_RANKS > 1
+    float* x = tp_partial(p, p.tp_rank, tp_epoch(p, 2u * layer));  // [H] f32 partial
+    const bool lane0 = (threadIdx.x & 31) == 0;
+    weight_phase<(int)QMK_Q_DIM, 1, kStage>(
+        QMK_HIDDEN, xs, rows_of, [](u32) { return 0.0f; },
+#else
     float* x = reinterpret_cast<float*>(p.x);  // [H] f32
     const bool lane0 = (threadIdx.x & 31) == 0;
     weight_phase<(int)QMK_Q_DIM, 1, kStage>(
         QMK_HIDDEN, xs, rows_of, [&](u32 r) { return lane0 ? residual(p, layer, token, r) : 0.0f; },
+#endif
         [&](u32 r, const float (&o)[1], float res) {
             if (lane0) x[r] = res + o[0];
         },

@@ -44,6 +44,9 @@ static_assert(QMK_PREFILL_BARRIERS == 8 * QMK_LAYERS + 1, "prefill barrier count
 
 }  // namespace qmk
 
+// One-GPU builds only: a tensor-parallel rank has no prefill kernel (its
+// prompt runs as decode steps, which exchange partial sums).
+#if QMK_TP_RANKS == 1
 extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
     qmk_prefill_chunk(const qmk::PrefillParams pp) {
     using namespace qmk;
@@ -133,3 +136,4 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
         }
     }
 }
+#endif  // QMK_TP_RANKS == 1
