@@ -60,6 +60,12 @@
 #               adds --profile: the step timeline of each T too (a line per
 #               run and T: total, each op's critical path, barriers; the
 #               one-token profile variants run as well)
+#   tp          tensor parallelism: the tensor_parallel test program (ranks
+#               co-resident on GPU 0, or one per GPU with QMK_TP_DEVICES set
+#               to the GPU count when there are 2 or more; the real 0.5B
+#               goldens at 2 ranks when the model is there, as `real`)
+#   tpbench     qwen-mk bench --tp: co-resident 0.5B and 32B at 2 ranks on
+#               one GPU; 32B and 72B at 2, 4 and 8 ranks as the GPUs allow
 #   tp-allreduce the tensor-parallel all-reduce lab
 #               (scripts/gpu/lab/tp-allreduce: its binary is in the bundle when
 #               nvcc was there at build time): ranks co-resident on GPU 0, and
@@ -106,7 +112,8 @@ CARRY=${CARRY:-$ROOT/.carry/gpu}
 # GPU test programs: package:test-target.
 TEST_PROGRAMS=${TEST_PROGRAMS:-"qmk-gpu-tests:gpu qmk-gpu-tests:long_context qmk-gpu-tests:prefill
   qmk-gpu-tests:faults qmk-gpu-tests:endurance qmk-gpu-tests:scale qmk-gpu-tests:checksums
-  qmk-gpu-tests:real_weights qmk-gpu-tests:speculative qmk-gpu-tests:multi_token"}
+  qmk-gpu-tests:real_weights qmk-gpu-tests:speculative qmk-gpu-tests:multi_token
+  qmk-gpu-tests:tensor_parallel"}
 
 if [[ ${1:-} == build ]]; then
   set -e
@@ -396,6 +403,24 @@ EOF
       done
       bench speculate-auto-cudarc qwen-mk --model "$R" --backend cudarc --prompts "$P"
       QMK_REAL_QWEN=$R run_tests test-speculative 400 ;;
+    tp)
+      gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+      (( gpus >= 2 )) && export QMK_TP_DEVICES=$gpus
+      if real_model tp; then
+        export QMK_REAL_QWEN=$R QMK_GOLDENS=$GOLDEN/qwen2.5-coder-0.5b-instruct.jsonl
+      fi
+      run_tests test-tensor_parallel 560
+      unset QMK_TP_DEVICES QMK_REAL_QWEN QMK_GOLDENS
+      grep -h "PASS\|refused\|stopped" "$LOG"/test-tensor_parallel.log | while read -r x; do note "    ${x:0:300}"; done ;;
+    tpbench)
+      gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+      for p in 0.5b 32b; do
+        bench "tp2-co-$p" qwen-mk --preset $p --tp 2 --tp-co-resident --steps 64
+      done
+      for n in 2 4 8; do
+        (( gpus >= n )) || continue
+        for p in 32b 72b; do bench "tp$n-$p" qwen-mk --preset $p --tp $n --steps 64; done
+      done ;;
     goldens)
       real_model goldens || continue
       QMK_REAL_QWEN=$R QMK_GOLDENS=$GOLDEN/qwen2.5-coder-0.5b-instruct.jsonl \
