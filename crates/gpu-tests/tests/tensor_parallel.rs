@@ -128,6 +128,23 @@ fn tp2_0_5b_vs_reference<D: Driver>() {
     // resets, the results do not change.
     let again = greedy(&mut tp, &prompt, n).0;
     assert_eq!(again, ids, "{test}: a second run differs");
+    // The bench's path: steps queued back to back, each rank reading the
+    // group's pick of the step before on the device. Its last logits are
+    // those of the same greedy run fed from the host.
+    let (fed, fed_logits) = greedy(&mut tp, &prompt[..1], 16);
+    tp.reset().unwrap();
+    tp.timed_steps(prompt[0], 0, 16)
+        .unwrap_or_else(|e| panic!("{test}: timed steps: {e}"));
+    let last = tp.logits().unwrap();
+    assert_eq!(argmax(&last), fed[15], "{test}: device-fed steps");
+    assert_eq!(
+        last.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        fed_logits[15]
+            .iter()
+            .map(|x| x.to_bits())
+            .collect::<Vec<_>>(),
+        "{test}: device-fed steps' logits"
+    );
     println!("{test}: PASS ({n} ids equal, worst logits rel err {worst:.2e})");
 }
 
