@@ -139,6 +139,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         let mut obj = serde_json::json!({
             "model": model.name,
             "backend": backend_name,
+            "tp": args.run.tp,
             "prompt_ids": generation.prompt_ids,
             "output_ids": generation.output_ids,
             "text": text.text(),

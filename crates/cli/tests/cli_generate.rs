@@ -238,6 +238,10 @@ fn tensor_parallel_on_the_cpu_matches_one_rank_and_refuses_what_cannot_split() {
     let two = base.clone().args(&["--tp", "2"]).run();
     two.assert_ok();
     assert_eq!(one.json()["output_ids"], two.json()["output_ids"]);
+    assert_eq!(
+        (one.json()["tp"].as_u64(), two.json()["tp"].as_u64()),
+        (Some(1), Some(2))
+    );
     // The tiny model's 2 KV heads do not split among 4 ranks.
     Generate::cpu(&m, "Hi")
         .args(&["--tp", "4"])
