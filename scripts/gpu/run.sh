@@ -68,7 +68,8 @@
 #               one GPU; 32B and 72B at 2, 4 and 8 ranks as the GPUs allow
 #   tp-allreduce the tensor-parallel all-reduce lab
 #               (scripts/gpu/lab/tp-allreduce: its binary is in the bundle when
-#               nvcc was there at build time): ranks co-resident on GPU 0, and
+#               nvcc was there at build time, else nvcc builds it on the GPU
+#               machine): ranks co-resident on GPU 0, and
 #               one per GPU where there are several; $OUT/tp-allreduce.txt
 #   ncu         Nsight Compute on one launch of each of NCU_KERNELS (default
 #               qmk_decode_step and qmk_decode_multi_5) at NCU_PRESET (7b):
@@ -349,7 +350,9 @@ for o in objs:
 EOF
       ;;
     tp-allreduce)
-      [[ -x $BIN/ar ]] || { note "FAIL tp-allreduce: no lab binary (no nvcc at build time)"; continue; }
+      # Without a binary from the bundle the lab builds here, where nvcc is.
+      [[ -x $BIN/ar ]] || command -v nvcc > /dev/null \
+        || { note "FAIL tp-allreduce: no lab binary and no nvcc"; continue; }
       t=$SECONDS
       OUT=$OUT AR_BIN_DIR=$BIN timeout -k 5 590 bash "$ROOT/scripts/gpu/lab/tp-allreduce/run.sh" > "$LOG/tp-allreduce.log" 2>&1
       rc=$?
