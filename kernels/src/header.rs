@@ -57,6 +57,23 @@ pub const STAGE_VECTORS: u64 = 4;
 /// without, and T = 2 1.41-1.55 against 1.27-1.39.
 pub const MULTI_WIDE_FROM: u64 = 4;
 
+/// Most segments in a warp's weight ring in the multi-token step
+/// (`qmk::MtRing`, rendered as `QMK_MT_RING_MOST`): a phase streams its
+/// rows through a ring of `cp.async` copies in shared memory where 3 or
+/// more fit beside its activations, so the next segments' loads are in
+/// flight while a warp does the current one's T-token arithmetic; 0 turns
+/// the rings off. On an H200 they take T = 2 from 1.28 to 1.19 one-token
+/// steps at 7B (1.39 to 1.20 at 32B) and T = 5 from 1.73 to 1.68 (1.67 to
+/// 1.58), same bits.
+pub const MULTI_RING_MOST: u64 = 4;
+
+/// Whether a multi-token weight ring takes segments of a whole register
+/// batch (8 16-byte vectors per lane per unit, 4 KB per warp) where 3 of
+/// them fit, rather than half ones (`QMK_MT_RING_BIG`): half the copy
+/// bookkeeping per weight byte, fewer segments in flight (the two measure
+/// the same on an H200).
+pub const MULTI_RING_BIG: u64 = 1;
+
 /// Shared memory the multi-token step keeps back from the arch's per-CTA
 /// maximum for its static shared memory (barrier flags, reductions, the
 /// split attention's mbarriers), bytes.
@@ -419,6 +436,8 @@ impl KernelBuild {
             ("QMK_STAGE_VECTORS", STAGE_VECTORS),
             ("QMK_PAIR_BATCH_MOST", PAIR_BATCH_MOST),
             ("QMK_MT_WIDE_FROM", MULTI_WIDE_FROM),
+            ("QMK_MT_RING_MOST", MULTI_RING_MOST),
+            ("QMK_MT_RING_BIG", MULTI_RING_BIG),
             ("QMK_EMBED_ROWS", embed_rows),
             ("QMK_TP_FLAGS_OFF", region.flags),
             ("QMK_TP_FAILED_OFF", region.failed),

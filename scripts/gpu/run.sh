@@ -101,8 +101,10 @@
 #               token and tok/s against `generate` on the same request
 #   sanitizer   compute-sanitizer memcheck, racecheck, synccheck, initcheck on
 #               a short prefill + decode (0.5B, both drivers; 1.5B shapes in
-#               2 layers, cudarc), and on steps of the split attention at 300
-#               positions; the OOB hook must be caught
+#               2 layers, cudarc), on steps of the split attention at 300
+#               positions, and on the multi-token step (every T once, 0.5B and
+#               7B shapes, cudarc); the OOB hook must be caught;
+#               SAN_MATCH=REGEX keeps the runs whose name matches
 #
 # Every step runs under `timeout`; a failure never stops the script; logs go
 # to $OUT/logs.tgz and a summary (PASS / FAIL per step, key numbers) is
@@ -168,7 +170,9 @@ mkdir -p "$OUT" "$LOG" "$BIN"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export QMK_CACHE_DIR=${QMK_CACHE_DIR:-/tmp/qmk-cubins} RUST_BACKTRACE=1
 STEPS=${*:-tests checksums bench prefill}
-STEPS=${STEPS/all/tests checksums bench prefill hf}
+# `all` as a word only: a substring replacement would also rewrite tp-allreduce.
+STEPS=$(for s in $STEPS; do [[ $s == all ]] && echo tests checksums bench prefill hf || echo "$s"; done)
+STEPS=$(echo $STEPS)
 summary=()
 note() { summary+=("$*"); echo "$*"; }
 
@@ -481,11 +485,11 @@ EOF
       # OOB hook under memcheck, which must be caught (exit 99).
       SAN=/usr/local/cuda/bin/compute-sanitizer
       san() {
-        local name=$1 tool=$2 child=$3 test=$4 preset=${5:-0.5b} lim=200 layers="" extra=()
+        local name=$1 tool=$2 child=$3 test=$4 preset=${5:-0.5b} vocab=${6:-} lim=200 layers="" extra=()
         [[ $tool == memcheck ]] && extra=(--padding 65536)
         [[ $tool == racecheck ]] && { lim=290; layers=2; }
         [[ $preset != 0.5b ]] && layers=2
-        QMK_SAN_PRESET=$preset QMK_SAN_LAYERS=$layers QMK_TEST_SPIN_S=$((lim + 60)) QMK_TEST_DEADLINE_S=$((lim + 60)) \
+        QMK_SAN_PRESET=$preset QMK_SAN_LAYERS=$layers QMK_SAN_VOCAB=$vocab QMK_TEST_SPIN_S=$((lim + 60)) QMK_TEST_DEADLINE_S=$((lim + 60)) \
           QMK_FAULT_CHILD=$child timeout -k 5 $lim "$SAN" --tool "$tool" "${extra[@]}" --error-exitcode 99 \
           "$BIN/test-faults" --exact "$test" --nocapture --test-threads=1 > "$LOG/$name.log" 2>&1
         echo $? > "$LOG/$name.rc"
@@ -495,8 +499,18 @@ EOF
         for d in cudarc cust; do runs+=("san-$tool-$d $tool - sanitize_target::$d"); done
         runs+=("san-split-$tool-cudarc $tool - sanitize_split_target::cudarc")
         runs+=("san-1.5b-$tool-cudarc $tool - sanitize_target::cudarc 1.5b")
+        # The multi-token step, every T once: 0.5B and 7B shapes (7B: 2
+        # layers), a 4,096-row vocabulary.
+        runs+=("san-multi-$tool-cudarc $tool - sanitize_multi_target::cudarc 0.5b 4096")
+        runs+=("san-multi-7b-$tool-cudarc $tool - sanitize_multi_target::cudarc 7b 4096")
       done
       runs+=("san-oob-memcheck memcheck sanitize_oob_child::cudarc sanitize_oob_child::cudarc")
+      # SAN_MATCH=REGEX keeps the runs whose name matches.
+      if [[ -n ${SAN_MATCH:-} ]]; then
+        kept=()
+        for r in "${runs[@]}"; do [[ ${r%% *} =~ $SAN_MATCH ]] && kept+=("$r"); done
+        runs=("${kept[@]}")
+      fi
       for r in "${runs[@]}"; do
         san $r &
         while (( $(jobs -rp | wc -l) >= 4 )); do wait -n; done

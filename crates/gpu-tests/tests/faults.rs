@@ -12,7 +12,7 @@
 //!
 //! On the GPU machine: `faults-<hash> --test-threads=1 --nocapture`.
 
-use qmk_engine::Backend;
+use qmk_engine::{Backend, MultiStep};
 use qmk_gpu_tests::*;
 
 use std::process::Command;
@@ -412,30 +412,91 @@ fn sanitize_split_target<D: Driver>() {
     assert_eq!(a.items, 4.0, "{test}: items per layer");
 }
 
+/// Target of the sanitizer runs for the multi-token step: one launch of
+/// every T from 2 to the device's most, back to back over consecutive
+/// positions of a synthetic sequence (each T's kernel once, its weight
+/// rings and its causal attention among the new positions included). The
+/// multi-token test program checks their bits against one-token steps;
+/// here the ids are checked against the CPU reference and the sanitizers
+/// check the memory accesses and synchronisation.
+fn sanitize_multi_target<D: Driver>() {
+    let test = format!("sanitize_multi_target {}", D::NAME);
+    let Some(_g) = gpu_or_skip(&test) else { return };
+    let w = sanitize_weights(&test);
+    let opts = Options {
+        capacity: 64,
+        spin_timeout: env_secs("QMK_TEST_SPIN_S", Duration::from_secs(2)),
+        step_deadline: env_secs("QMK_TEST_DEADLINE_S", Duration::from_secs(30)),
+        ..Default::default()
+    };
+    let mut b =
+        GpuBackend::<D>::new(&w, opts, &mut ()).unwrap_or_else(|e| panic!("{test}: open: {e}"));
+    let max = b.multi_max_tokens();
+    assert!(max >= 2, "{test}: no multi-token step on {}", describe(&b));
+    // One run of each T in 2..=max: (max + 2) * (max - 1) / 2 positions.
+    let len = (2..=max).sum::<usize>();
+    let vocab = w.config.vocab_size as u32;
+    let tokens: Vec<u32> = synthetic_prompt(len, SEED)
+        .into_iter()
+        .map(|t| t % vocab)
+        .collect();
+    let t = Instant::now();
+    let (mut ids, mut pos) = (Vec::with_capacity(len), 0);
+    for n in 2..=max {
+        let run = MultiStep::new(&tokens[pos..pos + n], pos, 64).unwrap();
+        let out = b
+            .step_many(run)
+            .unwrap_or_else(|e| panic!("{test}: T = {n} at {pos}: {e}"));
+        ids.extend(out.argmax);
+        pos += n;
+    }
+    println!(
+        "{test}: T = 2..={max} over {len} positions in {:.2} s",
+        t.elapsed().as_secs_f64()
+    );
+    let mut cpu = Reference::new(w.clone(), ReferenceOptions::new(64).kv_bf16(true)).unwrap();
+    let want: Vec<u32> = tokens
+        .iter()
+        .enumerate()
+        .map(|(p, &t)| argmax(&cpu.step(t, p).unwrap()))
+        .collect();
+    assert_eq!(ids, want, "{test}: ids differ from the CPU reference");
+    println!("{test}: ids equal the CPU reference");
+}
+
 /// The sanitizer targets' weights: the preset `QMK_SAN_PRESET` names (0.5B
 /// when unset), cut to its first n layers with `QMK_SAN_LAYERS=n` (every
 /// layer runs the same code at the same shapes: the fallback when a
 /// sanitizer is too slow for all of them). 0.5B's q/k/v stages its rows
 /// and takes them in pairs; from 1.5B on q/k/v takes v's rows one by one
 /// and no phase stages, so a larger preset covers those paths.
+/// `QMK_SAN_VOCAB=n` cuts the vocabulary to n rows (the LM head's code is
+/// the same for any row count; the sanitizers are slow on 151,936 of them).
 fn sanitize_weights(test: &str) -> Arc<Weights> {
     let preset = std::env::var("QMK_SAN_PRESET").unwrap_or_else(|_| "0.5b".to_string());
     let mut c =
         Config::preset(&preset).unwrap_or_else(|e| panic!("{test}: QMK_SAN_PRESET={preset}: {e}"));
-    match std::env::var("QMK_SAN_LAYERS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        Some(n) if n > 0 => {
-            println!(
-                "{test}: {preset} shapes, {n} of {} layers (QMK_SAN_LAYERS)",
-                c.num_hidden_layers
-            );
-            c.num_hidden_layers = n;
-            Arc::new(synthetic_weights(&c, SEED))
-        }
-        _ => weights(&preset),
+    let env_count = |name: &str| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+    };
+    let (layers, vocab) = (env_count("QMK_SAN_LAYERS"), env_count("QMK_SAN_VOCAB"));
+    if layers.is_none() && vocab.is_none() {
+        return weights(&preset);
     }
+    if let Some(n) = layers {
+        c.num_hidden_layers = n;
+    }
+    if let Some(n) = vocab {
+        c.vocab_size = n;
+    }
+    println!(
+        "{test}: {preset} shapes, {} layers, vocabulary {} (QMK_SAN_LAYERS, QMK_SAN_VOCAB)",
+        c.num_hidden_layers, c.vocab_size
+    );
+    Arc::new(synthetic_weights(&c, SEED))
 }
 
 /// Child, run by the GPU script under memcheck only: the OOB hook must be caught
@@ -523,5 +584,6 @@ both!(oob_is_sticky, oob_is_sticky);
 both!(oob_child, oob_child);
 both!(sanitize_target, sanitize_target);
 both!(sanitize_split_target, sanitize_split_target);
+both!(sanitize_multi_target, sanitize_multi_target);
 both!(sanitize_oob_child, sanitize_oob_child);
 both!(wrong_arch_cubin, wrong_arch_cubin);

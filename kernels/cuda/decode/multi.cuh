@@ -155,6 +155,154 @@ __device__ __forceinline__ void mt_zero(float (&acc)[T][NR]) {
         for (int r = 0; r < NR; ++r) acc[t][r] = 0.0f;
 }
 
+// A warp's weight ring: a phase whose activations take FRONT floats of
+// shared memory streams its units' rows through S segments per warp after
+// them, each U 16-byte vectors per lane of each of a unit's NR rows
+// ([NR][U][32] vectors). A lane copies (cp.async) and later reads only its
+// own vectors, so cp.async.wait_group is the whole synchronisation, and
+// S - 1 segments stay in flight while the warp does a segment's T-token
+// arithmetic; loaded into registers, a warp's loads wait behind its own
+// arithmetic. On where 3 or more segments fit (QMK_MT_RING_MOST at most).
+template <int K, int NR, u32 FRONT>
+struct MtRing {
+    static constexpr u32 PER_WARP = FRONT < QMK_MT_SMEM_FLOATS ? (QMK_MT_SMEM_FLOATS - FRONT) / QMK_WARPS : 0u;
+    // Whole register batches per segment where 3 fit (QMK_MT_RING_BIG),
+    // else half.
+    static constexpr int UB = mt_batch<K, NR>();
+    static constexpr bool BIG = QMK_MT_RING_BIG != 0 && PER_WARP / ((u32)NR * (u32)UB * 128u) >= 3u;
+    static constexpr int U = BIG ? UB : (UB / 2 > 0 ? UB / 2 : 1);
+    static constexpr u32 SEG = (u32)NR * (u32)U * 32u * 4u;  // floats per segment
+    static constexpr u32 FIT = PER_WARP / SEG;
+    static constexpr int S = (int)(FIT < (u32)QMK_MT_RING_MOST ? FIT : (u32)QMK_MT_RING_MOST);
+    static constexpr bool on = S >= 3;
+};
+
+// Copies one segment of rows[NR] into the ring slot at shared address
+// `slot`: the lane's vectors j0 + v 32 + lane (v < U) of the chunk of cv
+// vectors at vector v0 of each row; none past cv. No commit.
+// FULL: every segment is whole (cv a multiple of 32 U), no bounds checks.
+template <int NR, int U, bool FULL = false>
+__device__ __forceinline__ void mt_ring_issue(u32 slot, const char* const (&rows)[NR], u32 v0, u32 j0, u32 cv) {
+    const u32 lane = threadIdx.x & 31u;
+#pragma unroll
+    for (int v = 0; v < U; ++v) {
+        const u32 j = j0 + (u32)v * 32u + lane;
+        if (FULL || j < cv) {
+#pragma unroll
+            for (int r = 0; r < NR; ++r)
+                cp_async16<kWeightL2>(slot + (u32)((r * U + v) * 32) * 16u + lane * 16u, rows[r] + (size_t)(v0 + j) * 16,
+                                      16);
+        }
+    }
+}
+
+// acc[t][r] += this lane's vectors j0 + v 32 + lane (< cv) of the segment
+// `seg` ([NR][U][32] 16-byte vectors) . token t's chunk at xs + t XS
+// ([2][cv][4] f32): mt_dot's sums, in its order.
+template <int T, int NR, int U, bool FULL = false>
+__device__ __forceinline__ void mt_ring_dot(const uint4* seg, const float* __restrict__ xs, u32 XS, u32 j0, u32 cv,
+                                            float (&acc)[T][NR]) {
+    const u32 lane = threadIdx.x & 31u;
+    const float4* xs4 = reinterpret_cast<const float4*>(xs);
+    const u32 s4 = XS / 4u;
+#pragma unroll
+    for (int v = 0; v < U; ++v) {
+        const u32 j = j0 + (u32)v * 32u + lane;
+        if (FULL || j < cv) {
+            uint4 w[NR];
+#pragma unroll
+            for (int r = 0; r < NR; ++r) w[r] = seg[(r * U + v) * 32 + (int)lane];
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+                const float4 a = xs4[t * s4 + j], b = xs4[t * s4 + cv + j];
+#pragma unroll
+                for (int r = 0; r < NR; ++r) acc[t][r] = dot8(w[r], a, b, acc[t][r]);
+            }
+        }
+    }
+}
+
+// Nothing loaded early (phases whose epilogue adds nothing read ahead).
+struct MtNone {};
+
+// A weight phase of NR-row units [K] over T activation vectors xs (token t
+// at xs + t mt_stride(K), split order) that prologue() fills (and
+// synchronises): this warp's k-th unit is unit_of(k) (>= units once done),
+// row j of unit u is row_of(u, j); e = early(u) is loaded before the unit's
+// rows are summed and epilogue(u, o[T][NR], e) gets its sums. Through the
+// warp's ring where it fits (the rings start after the T vectors; its first
+// copies go out before the prologue, whose round trips they overlap), else
+// batches in registers (mt_dot).
+template <int T, int K, int NR, class Prologue, class UnitOf, class RowOf, class Early, class Epilogue>
+__device__ __forceinline__ void mt_units(Prologue prologue, u32 units, UnitOf unit_of, RowOf row_of, Early early,
+                                         Epilogue epilogue, float* xs) {
+    constexpr u32 XS = mt_stride(K);
+    constexpr u32 CV = (u32)K / 8u;
+    using R = MtRing<K, NR, (u32)T * XS>;
+    if constexpr (R::on && QMK_MT_RING_MOST >= 3) {
+        constexpr int U = R::U, S = R::S;
+        constexpr u32 NB = ((u32)lane_vectors(K) + (u32)U - 1u) / (u32)U;  // segments per unit
+        constexpr bool FULL = CV % (32u * (u32)U) == 0u;
+        float* ring = xs + (u32)T * XS + (threadIdx.x >> 5) * (u32)S * R::SEG;  // this warp's [S, SEG]
+        const u32 ring_s = smem_u32(ring);
+        // The copies run up to S - 1 segments ahead of the sums, across units.
+        u32 pk = 0, pb = 0, pu = unit_of(0u);
+        int ps = 0;
+        const char* prow[NR];
+#pragma unroll
+        for (int j = 0; j < NR; ++j) prow[j] = pu < units ? row_of(pu, j) : nullptr;
+        auto issue = [&]() {
+            if (pu < units) {
+                mt_ring_issue<NR, U, FULL>(ring_s + (u32)ps * R::SEG * 4u, prow, 0u, pb * 32u * (u32)U, CV);
+                if (++pb == NB) {
+                    pb = 0;
+                    pu = unit_of(++pk);
+#pragma unroll
+                    for (int j = 0; j < NR; ++j) prow[j] = pu < units ? row_of(pu, j) : nullptr;
+                }
+            }
+            cp_async_commit();  // also when empty: the sums count groups
+            ps = ps + 1 == S ? 0 : ps + 1;
+        };
+#pragma unroll
+        for (int s = 0; s < S - 1; ++s) issue();
+        prologue();
+        int cs = 0;
+        for (u32 k = 0, u; (u = unit_of(k)) < units; ++k) {
+            const auto e = early(u);
+            float acc[T][NR];
+            mt_zero(acc);
+#pragma unroll 1
+            for (u32 b = 0; b < NB; ++b) {
+                cp_async_wait<S - 2>();  // this segment's copies are done
+                issue();                 // into the slot summed last
+                mt_ring_dot<T, NR, U, FULL>(reinterpret_cast<const uint4*>(ring + (u32)cs * R::SEG), xs, XS,
+                                      b * 32u * (u32)U, CV, acc);
+                cs = cs + 1 == S ? 0 : cs + 1;
+            }
+            float o[T][NR];
+            mt_sums(acc, o);
+            epilogue(u, o, e);
+        }
+        cp_async_wait<0>();
+    } else {
+        constexpr int U = mt_batch<K, NR>();
+        prologue();
+        for (u32 k = 0, u; (u = unit_of(k)) < units; ++k) {
+            const char* rows[NR];
+#pragma unroll
+            for (int j = 0; j < NR; ++j) rows[j] = row_of(u, j);
+            const auto e = early(u);
+            float acc[T][NR];
+            mt_zero(acc);
+            mt_dot<NR, T, U>(rows, xs, XS, 0u, CV, acc);
+            float o[T][NR];
+            mt_sums(acc, o);
+            epilogue(u, o, e);
+        }
+    }
+}
+
 // RMSNorm of T residual streams into xs (token t at xs + t XS, split
 // order): src(t, i) gives element i of token t, w(i) the norm weight. Each
 // token's sums are rms_norm's (a thread's elements in ascending order, then
@@ -266,29 +414,65 @@ __device__ __forceinline__ bool cta_has_unit(u32 units, u32 k) {
 template <int T, int K, int NR, class RowOf, class Early, class Epilogue>
 __device__ __forceinline__ void mt_copied_phase(const float* __restrict__ src, u32 units, RowOf row_of,
                                                 Early early, Epilogue epilogue, float* xs) {
-    constexpr int U = mt_batch<K, NR>();
     constexpr u32 XS = mt_stride(K);
     if constexpr ((u32)T * XS <= QMK_MT_SMEM_FLOATS) {
-        mt_load_chunk<T, K>(src, 0u, (u32)K, xs, XS);
-        __syncthreads();
-        for (u32 k = 0, u; (u = unit_at(units, k)) < units; ++k) {
-            const char* rows[NR];
-#pragma unroll
-            for (int j = 0; j < NR; ++j) rows[j] = row_of(u, j);
-            const auto e = early(u);
-            float acc[T][NR];
-            mt_zero(acc);
-            mt_dot<NR, T, U>(rows, xs, XS, 0u, (u32)K / 8u, acc);
-            float o[T][NR];
-            mt_sums(acc, o);
-            epilogue(u, o, e);
-        }
+        mt_units<T, K, NR>(
+            [&] {
+                mt_load_chunk<T, K>(src, 0u, (u32)K, xs, XS);
+                __syncthreads();
+            },
+            units, [&](u32 k) { return unit_at(units, k); }, row_of, early, epilogue, xs);
     } else {
-        // Chunks of CH elements; G units per warp hold their sums across them.
-        constexpr u32 CH = QMK_MT_SMEM_FLOATS / (u32)T / 256u * 256u;
-        constexpr u32 NCH = ((u32)K + CH - 1u) / CH;
+        // Chunks of CH elements; G units per warp hold their sums across
+        // them. With a ring (3 segments per warp after the chunks), the
+        // rows stream on across the chunks' copies and barriers.
         constexpr int G = T * NR <= 4 ? 4 : 2;
+        // Half-batch segments: the chunks need the room.
+        constexpr int U = mt_batch<K, NR>() / 2 > 0 ? mt_batch<K, NR>() / 2 : 1, S = 3;
+        constexpr u32 SEG = (u32)NR * (u32)U * 32u * 4u;  // floats per segment
+        constexpr u32 RING = (u32)QMK_WARPS * (u32)S * SEG;
+        constexpr u32 CHR = RING < QMK_MT_SMEM_FLOATS ? (QMK_MT_SMEM_FLOATS - RING) / (u32)T / 256u * 256u : 0u;
+        constexpr bool ring_on = QMK_MT_RING_MOST >= 3 && CHR >= 1024u;
+        constexpr u32 CH = ring_on ? CHR : QMK_MT_SMEM_FLOATS / (u32)T / 256u * 256u;
+        constexpr u32 NCH = ((u32)K + CH - 1u) / CH;
         static_assert(CH >= 256u && NCH >= 2u, "chunked phase");
+        // Segments per unit per chunk (the last chunk's may be partly empty).
+        constexpr u32 NBC = (CH / 256u + (u32)U - 1u) / (u32)U;
+        float* ring = xs + (u32)T * CH + (threadIdx.x >> 5) * (u32)S * SEG;  // this warp's [S, SEG]
+        const u32 ring_s = smem_u32(ring);
+        // The copies' cursor: group k0, chunk c, unit g of the group, segment b.
+        u32 pk0 = 0, pc = 0, pg = 0, pb = 0, pu = unit_at(units, 0u);
+        int ps = 0;
+        const char* prow[NR];
+        auto issue = [&]() {
+            if (pu < units) {
+                const u32 c0 = pc * CH;
+                mt_ring_issue<NR, U>(ring_s + (u32)ps * SEG * 4u, prow, c0 / 8u, pb * 32u * (u32)U,
+                                     min(CH, (u32)K - c0) / 8u);
+            }
+            cp_async_commit();  // also when empty: the sums count groups
+            ps = ps + 1 == S ? 0 : ps + 1;
+            if (++pb == NBC) {
+                pb = 0;
+                if (++pg == (u32)G) {
+                    pg = 0;
+                    if (++pc == NCH) {
+                        pc = 0;
+                        pk0 += (u32)G;
+                    }
+                }
+                pu = unit_at(units, pk0 + pg);
+#pragma unroll
+                for (int j = 0; j < NR; ++j) prow[j] = pu < units ? row_of(pu, j) : nullptr;
+            }
+        };
+        if constexpr (ring_on) {
+#pragma unroll
+            for (int j = 0; j < NR; ++j) prow[j] = pu < units ? row_of(pu, j) : nullptr;
+#pragma unroll
+            for (int s = 0; s < S - 1; ++s) issue();
+        }
+        int cs = 0;
         for (u32 k0 = 0; cta_has_unit(units, k0); k0 += G) {
             float acc[G][T][NR];
 #pragma unroll
@@ -302,11 +486,21 @@ __device__ __forceinline__ void mt_copied_phase(const float* __restrict__ src, u
 #pragma unroll
                 for (int g = 0; g < G; ++g) {
                     const u32 u = unit_at(units, k0 + (u32)g);
-                    if (u < units) {
+                    if constexpr (ring_on) {
+#pragma unroll 1
+                        for (u32 b = 0; b < NBC; ++b) {
+                            cp_async_wait<S - 2>();
+                            issue();
+                            if (u < units)
+                                mt_ring_dot<T, NR, U>(reinterpret_cast<const uint4*>(ring + (u32)cs * SEG), xs,
+                                                      CH, b * 32u * (u32)U, C / 8u, acc[g]);
+                            cs = cs + 1 == S ? 0 : cs + 1;
+                        }
+                    } else if (u < units) {
                         const char* rows[NR];
 #pragma unroll
                         for (int j = 0; j < NR; ++j) rows[j] = row_of(u, j);
-                        mt_dot<NR, T, U>(rows, xs, CH, c0 / 8u, C / 8u, acc[g]);
+                        mt_dot<NR, T, mt_batch<K, NR>()>(rows, xs, CH, c0 / 8u, C / 8u, acc[g]);
                     }
                 }
             }
@@ -321,6 +515,7 @@ __device__ __forceinline__ void mt_copied_phase(const float* __restrict__ src, u
                 }
             }
         }
+        if constexpr (ring_on) cp_async_wait<0>();
         __syncthreads();  // xs is rewritten by the next phase's prologue
     }
 }
@@ -365,52 +560,55 @@ __device__ __forceinline__ void mt_qkv(const MultiParams& m, const MtTokens<T>& 
     char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);  // [C, KV] bf16
     char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);  // [C, KV] bf16
     float* q = reinterpret_cast<float*>(m.q);              // [T, Q] f32
-    mt_rms_norm<T>([&](int t, u32 i) { return mt_residual(m, tk, layer, t, i); },
-                   [&](u32 i) { return ln.elem(i); }, p.rms_norm_eps, xs, XS, red);
     constexpr u32 units = QP + 2 * KP;
-    constexpr int U = mt_batch<(int)QMK_HIDDEN, 2>();
-    for (u32 k = 0, u; (u = unit_at(units, k)) < units; ++k) {
-        const u32 which = u < QP ? 0u : (u < QP + KP ? 1u : 2u);
+    // Unit u: which tensor (0 q, 1 k, 2 v), its row pair's first row r0 and
+    // the rotary index i.
+    auto unit = [](u32 u, u32& which, u32& i, u32& r0) {
+        which = u < QP ? 0u : (u < QP + KP ? 1u : 2u);
         const u32 uu = which == 0 ? u : (which == 1 ? u - QP : u - QP - KP);
-        const u32 i = uu % HALF, r0 = (uu / HALF) * D + i, r1 = r0 + HALF;
-        const char* rows[2];
-        if (which == 0) {
-            rows[0] = wq.row(r0);
-            rows[1] = wq.row(r1);
-        } else if (which == 1) {
-            rows[0] = wk.row(r0);
-            rows[1] = wk.row(r1);
-        } else {
-            rows[0] = wv.row(r0);
-            rows[1] = wv.row(r1);
-        }
-        float acc[T][2];
-        mt_zero(acc);
-        mt_dot<2, T, U>(rows, xs, XS, 0u, QMK_HIDDEN / 8u, acc);
-        float o[T][2];
-        mt_sums(acc, o);
-        if ((threadIdx.x & 31) != 0) continue;
-        const float b0 = which == 0 ? bq.elem(r0) : (which == 1 ? bk.elem(r0) : bv.elem(r0));
-        const float b1 = which == 0 ? bq.elem(r1) : (which == 1 ? bk.elem(r1) : bv.elem(r1));
+        i = uu % HALF;
+        r0 = (uu / HALF) * D + i;
+    };
+    mt_units<T, (int)QMK_HIDDEN, 2>(
+        [&] {
+            mt_rms_norm<T>([&](int t, u32 i) { return mt_residual(m, tk, layer, t, i); },
+                           [&](u32 i) { return ln.elem(i); }, p.rms_norm_eps, xs, XS, red);
+        },
+        units, [&](u32 k) { return unit_at(units, k); },
+        [&](u32 u, int j) {
+            u32 which, i, r0;
+            unit(u, which, i, r0);
+            const u32 r = r0 + (j ? HALF : 0u);
+            return which == 0 ? wq.row(r) : (which == 1 ? wk.row(r) : wv.row(r));
+        },
+        [](u32) { return MtNone{}; },
+        [&](u32 u, const float (&o)[T][2], MtNone) {
+            if ((threadIdx.x & 31) != 0) return;
+            u32 which, i, r0;
+            unit(u, which, i, r0);
+            const u32 r1 = r0 + HALF;
+            const float b0 = which == 0 ? bq.elem(r0) : (which == 1 ? bk.elem(r0) : bv.elem(r0));
+            const float b1 = which == 0 ? bq.elem(r1) : (which == 1 ? bk.elem(r1) : bv.elem(r1));
 #pragma unroll
-        for (int t = 0; t < T; ++t) {
-            const u32 pos = m.start + (u32)t;
-            float lo = o[t][0] + b0, hi = o[t][1] + b1;
-            if (which == 2) {
-                kv_append(vl, pos, r0, lo);
-                kv_append(vl, pos, r1, hi);
-                continue;
+            for (int t = 0; t < T; ++t) {
+                const u32 pos = m.start + (u32)t;
+                float lo = o[t][0] + b0, hi = o[t][1] + b1;
+                if (which == 2) {
+                    kv_append(vl, pos, r0, lo);
+                    kv_append(vl, pos, r1, hi);
+                    continue;
+                }
+                rotate(rotary_cs(p, pos, i), lo, hi);
+                if (which == 0) {
+                    q[t * QMK_Q_DIM + r0] = lo;
+                    q[t * QMK_Q_DIM + r1] = hi;
+                } else {
+                    kv_append(kl, pos, r0, lo);
+                    kv_append(kl, pos, r1, hi);
+                }
             }
-            rotate(rotary_cs(p, pos, i), lo, hi);
-            if (which == 0) {
-                q[t * QMK_Q_DIM + r0] = lo;
-                q[t * QMK_Q_DIM + r1] = hi;
-            } else {
-                kv_append(kl, pos, r0, lo);
-                kv_append(kl, pos, r1, hi);
-            }
-        }
-    }
+        },
+        xs);
 }
 
 // A residual phase for T tokens (o_proj, down): x[t, r] = res(t, r) + w[r]
@@ -462,30 +660,25 @@ __device__ __forceinline__ void mt_gate_up(const MultiParams& m, u32 layer, floa
     const LayerView<up_proj_t> wu(p.up_proj, layer);
     const float* x = reinterpret_cast<const float*>(m.x);  // [T, H] f32
     float* h = reinterpret_cast<float*>(m.mlp_h);          // [T, I] f32
-    mt_rms_norm<T>([&](int t, u32 i) { return __ldcg(x + (size_t)t * QMK_HIDDEN + i); },
-                   [&](u32 i) { return ln.elem(i); }, p.rms_norm_eps, xs, XS, red);
     constexpr int P = mt_wide<T>();  // rows r of gate and up per unit
     static_assert(QMK_INTER % P == 0, "whole units");
     constexpr u32 units = QMK_INTER / P;
-    constexpr int U = mt_batch<(int)QMK_HIDDEN, 2 * P>();
-    for (u32 k = 0, u; (u = unit_at(units, k)) < units; ++k) {
-        const char* rows[2 * P];
+    mt_units<T, (int)QMK_HIDDEN, 2 * P>(
+        [&] {
+            mt_rms_norm<T>([&](int t, u32 i) { return __ldcg(x + (size_t)t * QMK_HIDDEN + i); },
+                           [&](u32 i) { return ln.elem(i); }, p.rms_norm_eps, xs, XS, red);
+        },
+        units, [&](u32 k) { return unit_at(units, k); },
+        [&](u32 u, int j) { return (j & 1) ? wu.row(u * P + (u32)(j >> 1)) : wg.row(u * P + (u32)(j >> 1)); },
+        [](u32) { return MtNone{}; },
+        [&](u32 u, const float (&o)[T][2 * P], MtNone) {
+            if ((threadIdx.x & 31) != 0) return;
 #pragma unroll
-        for (int j = 0; j < P; ++j) {
-            rows[2 * j] = wg.row(u * P + (u32)j);
-            rows[2 * j + 1] = wu.row(u * P + (u32)j);
-        }
-        float acc[T][2 * P];
-        mt_zero(acc);
-        mt_dot<2 * P, T, U>(rows, xs, XS, 0u, QMK_HIDDEN / 8u, acc);
-        float o[T][2 * P];
-        mt_sums(acc, o);
+            for (int t = 0; t < T; ++t)
 #pragma unroll
-        for (int t = 0; t < T; ++t)
-#pragma unroll
-            for (int j = 0; j < P; ++j)
-                if ((threadIdx.x & 31) == 0) h[t * QMK_INTER + u * P + j] = silu(o[t][2 * j]) * o[t][2 * j + 1];
-    }
+                for (int j = 0; j < P; ++j) h[t * QMK_INTER + u * P + j] = silu(o[t][2 * j]) * o[t][2 * j + 1];
+        },
+        xs);
 }
 
 // down + residual for T tokens: x[t, r] += down[r] . h[t].
@@ -505,8 +698,6 @@ __device__ __forceinline__ void mt_lm_head(const MultiParams& m, float* xs, floa
     constexpr u32 XS = mt_stride(QMK_HIDDEN);
     const float* x = reinterpret_cast<const float*>(m.x);       // [T, H] f32
     const char* nw = reinterpret_cast<const char*>(p.norm[0]);  // [H] bf16
-    mt_rms_norm<T>([&](int t, u32 i) { return __ldcg(x + (size_t)t * QMK_HIDDEN + i); },
-                   [&](u32 i) { return ld_bf16(nw + (koff_t)i * 2u); }, p.rms_norm_eps, xs, XS, red);
     float* logits = reinterpret_cast<float*>(m.logits);  // [T, V] f32
     const u32 nwt = gridDim.x * QMK_WARPS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -519,31 +710,31 @@ __device__ __forceinline__ void mt_lm_head(const MultiParams& m, float* xs, floa
     }
     constexpr int NR = mt_wide<T>();  // consecutive rows per unit
     static_assert(QMK_VOCAB % NR == 0, "whole units");
-    constexpr int U = mt_batch<(int)QMK_HIDDEN, NR>();
-    for (u32 u = blockIdx.x * QMK_WARPS + warp; u < QMK_VOCAB / NR; u += nwt) {
-        const char* rows[NR];
+    constexpr u32 units = QMK_VOCAB / NR;
+    mt_units<T, (int)QMK_HIDDEN, NR>(
+        [&] {
+            mt_rms_norm<T>([&](int t, u32 i) { return __ldcg(x + (size_t)t * QMK_HIDDEN + i); },
+                           [&](u32 i) { return ld_bf16(nw + (koff_t)i * 2u); }, p.rms_norm_eps, xs, XS, red);
+        },
+        units, [&](u32 k) { return blockIdx.x * QMK_WARPS + (u32)warp + k * nwt; },
+        [&](u32 u, int j) { return table_row(p.lm_head[0], u * NR + (u32)j); }, [](u32) { return MtNone{}; },
+        [&](u32 u, const float (&os)[T][NR], MtNone) {
 #pragma unroll
-        for (int j = 0; j < NR; ++j) rows[j] = table_row(p.lm_head[0], u * NR + (u32)j);
-        float acc[T][NR];
-        mt_zero(acc);
-        mt_dot<NR, T, U>(rows, xs, XS, 0u, QMK_HIDDEN / 8u, acc);
-        float os[T][NR];
-        mt_sums(acc, os);
+            for (int j = 0; j < NR; ++j) {
+                const u32 r = u * NR + (u32)j;
 #pragma unroll
-        for (int j = 0; j < NR; ++j) {
-            const u32 r = u * NR + (u32)j;
-#pragma unroll
-            for (int t = 0; t < T; ++t) {
-                const float o = os[t][j];
-                if (lane == 0) logits[(size_t)t * QMK_VOCAB + r] = o;
-                // Rows ascend within a warp: a strict '>' keeps the lowest index.
-                if (o > best[t]) {
-                    best[t] = o;
-                    besti[t] = r;
+                for (int t = 0; t < T; ++t) {
+                    const float o = os[t][j];
+                    if (lane == 0) logits[(size_t)t * QMK_VOCAB + r] = o;
+                    // Rows ascend within a warp: a strict '>' keeps the lowest index.
+                    if (o > best[t]) {
+                        best[t] = o;
+                        besti[t] = r;
+                    }
                 }
             }
-        }
-    }
+        },
+        xs);
     __shared__ float s_val[QMK_MT_MAX_TOKENS][QMK_WARPS];
     __shared__ u32 s_idx[QMK_MT_MAX_TOKENS][QMK_WARPS];
     if (lane == 0) {

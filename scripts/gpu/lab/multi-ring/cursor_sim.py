@@ -1,8 +1,8 @@
-# The ring patch's copy cursor against its sums, in Python: for one warp of
+# The multi-token weight rings' copy cursor against their sums, in Python: for one warp of
 # the 132 x 16 grid, the segments the copies issue (unit, chunk, vector
 # offset, in order) must be the segments the sums read, in every phase of
 # every shape and T the H200 runs (the index arithmetic mirrors
-# weight-ring.patch). python3 cursor_sim.py
+# `MtRing` and `mt_units` in kernels/cuda/decode/multi.cuh). python3 cursor_sim.py
 import itertools
 SM=57088; W=16; GRID=132
 def lv(K): return (K//8+31)//32
