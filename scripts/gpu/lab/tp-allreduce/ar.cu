@@ -123,18 +123,22 @@ __device__ void fail(const RankParams& p, int code, int it) {
     }
 }
 
-// Thread 0's bounded spin; false once it gave up (error recorded).
+// Thread 0's bounded spin; false once it gave up (error recorded). As the
+// engine's bounded wait, it reads the clock, the host-mapped abort flag and
+// the error word only every 128th poll: a read of host memory crosses PCIe,
+// and one at every wait's first poll, from every CTA, would cost more than
+// the exchange being measured.
 template <class Ready>
 __device__ bool wait_for(const RankParams& p, Ready ready, int code, int it) {
     unsigned long long t0 = 0;
-    for (unsigned n = 0;; ++n) {
+    for (unsigned n = 0;;) {
         const int r = ready();
         if (r > 0) return true;
         if (r < 0) {
             fail(p, kErrPeer, it);
             return false;
         }
-        if ((n & 63u) == 0u) {
+        if ((++n & 127u) == 0u) {
             const unsigned long long t = now_ns();
             if (t0 == 0) t0 = t;
             if (*p.abort) {
