@@ -57,55 +57,6 @@ fn real_weights(test: &str, rope_scaling: Option<serde_json::Value>) -> Option<A
     Some(Arc::new(w))
 }
 
-struct Golden {
-    id: String,
-    input_ids: Vec<u32>,
-    output_ids: Vec<u32>,
-    top5: Vec<Vec<u32>>, // [steps, 5]
-}
-
-/// The golden file named by `var`; `None` after printing why not.
-fn goldens(test: &str, var: &str) -> Option<Vec<Golden>> {
-    let Some(path) = std::env::var_os(var).map(PathBuf::from) else {
-        println!("SKIPPED {test}: {var} is not set (a golden .jsonl of transformers' outputs)");
-        return None;
-    };
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{test}: {}: {e}", path.display()));
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
-    Some(
-        text.lines()
-            .filter(|l| !l.trim().is_empty())
-            .map(|l| {
-                let g: serde_json::Value = serde_json::from_str(l).unwrap();
-                Golden {
-                    id: g["id"].as_str().unwrap().to_string(),
-                    input_ids: ids(&g["input_ids"]),
-                    output_ids: ids(&g["output_ids"]),
-                    top5: g["top5"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|s| {
-                            s.as_array()
-                                .unwrap()
-                                .iter()
-                                .map(|p| p[0].as_u64().unwrap() as u32)
-                                .collect()
-                        })
-                        .collect(),
-                }
-            })
-            .collect(),
-    )
-}
-
 fn check_goldens<D: Driver>(name: &str, var: &str, rope_scaling: Option<serde_json::Value>) {
     let test = format!("real 0.5b {} {name} goldens", D::NAME);
     let Some(_g) = gpu_or_skip(&test) else { return };

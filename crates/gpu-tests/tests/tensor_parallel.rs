@@ -185,38 +185,19 @@ fn tp2_real_goldens<D: Driver>() {
         println!("SKIPPED {test}: QMK_REAL_QWEN is not set (the real-weights directory)");
         return;
     };
-    let Some(gold) = std::env::var_os("QMK_GOLDENS").map(PathBuf::from) else {
-        println!(
-            "SKIPPED {test}: QMK_GOLDENS is not set (a golden .jsonl of transformers' outputs)"
-        );
+    let Some(gs) = goldens(&test, "QMK_GOLDENS") else {
         return;
     };
     let w = qmk_model::load_weights(&dir).unwrap_or_else(|e| panic!("{test}: {e}"));
-    let text = std::fs::read_to_string(&gold).unwrap();
-    let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap() as u32)
-            .collect()
-    };
-    let gs: Vec<(String, Vec<u32>, Vec<u32>)> = text
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| {
-            let g: serde_json::Value = serde_json::from_str(l).unwrap();
-            (
-                g["id"].as_str().unwrap().to_string(),
-                ids(&g["input_ids"]),
-                ids(&g["output_ids"]),
-            )
-        })
-        .collect();
-    let cap = gs.iter().map(|g| g.1.len() + g.2.len()).max().unwrap();
+    let cap = gs
+        .iter()
+        .map(|g| g.input_ids.len() + g.output_ids.len())
+        .max()
+        .unwrap();
     let mut tp = open_tp::<D>(&w, cap, &placement(2));
-    for (id, input, output) in &gs {
-        let (ours, _) = greedy(&mut tp, input, output.len());
-        assert_eq!(&ours, output, "{test}: prompt `{id}`");
+    for g in &gs {
+        let (ours, _) = greedy(&mut tp, &g.input_ids, g.output_ids.len());
+        assert_eq!(ours, g.output_ids, "{test}: prompt `{}`", g.id);
     }
     println!("{test}: PASS: {} of {} prompts exact", gs.len(), gs.len());
 }

@@ -658,17 +658,7 @@ mod tests {
     use super::*;
     use qmk_model::{synthetic_weights, Weights};
 
-    fn small() -> Config {
-        let mut c = Config::preset("0.5b").unwrap();
-        c.num_hidden_layers = 2;
-        c.vocab_size = 512;
-        c.hidden_size = 128;
-        c.num_attention_heads = 4;
-        c.num_key_value_heads = Some(2);
-        c.head_dim = Some(64);
-        c.intermediate_size = 256;
-        c
-    }
+    use crate::staging::tests::tiny;
 
     /// Every byte a rank's plan holds, read through RankSource, equals the
     /// same element of the whole tensor (the shard's coordinates mapped
@@ -676,8 +666,8 @@ mod tests {
     #[test]
     fn rank_sources_read_exactly_their_shards() {
         for tied in [true, false] {
-            let mut c = small();
-            c.tie_word_embeddings = tied;
+            let c = tiny(tied);
+            assert_eq!(c.tie_word_embeddings, tied);
             let w: Weights = synthetic_weights(&c, 3);
             let plan = tp_plan(&c, 2).unwrap();
             for rank in 0..2 {
@@ -731,7 +721,7 @@ mod tests {
 
     #[test]
     fn rank_sources_refuse_a_rank_outside_the_group() {
-        let w = synthetic_weights(&small(), 3);
+        let w = synthetic_weights(&tiny(true), 3);
         assert!(RankSource::new(&w, 2, 2).is_err());
         // 2 KV heads among 4 ranks: named.
         let e = RankSource::new(&w, 4, 0).err().unwrap().to_string();
