@@ -74,7 +74,9 @@
 #   ncu         Nsight Compute on one launch of each of NCU_KERNELS (default
 #               qmk_decode_step and qmk_decode_multi_5) at NCU_PRESET (7b):
 #               speed of light, compute and memory workload, warp states,
-#               scheduler (ncu --clock-control none; $OUT/ncu-KERNEL.txt)
+#               scheduler (ncu --clock-control none; $OUT/ncu-KERNEL.txt);
+#               NCU_SECTIONS="--section X ..." adds sections, NCU_ALTS=1
+#               profiles the variant binaries too ($OUT/ncu-KERNEL-NAME.txt)
 #   hf          Hugging Face transformers eager on the same shapes
 #               (scripts/gpu/hf_side_by_side.py)
 #   goldens     the real 0.5B weights (as `real`): only transformers' plain
@@ -243,6 +245,8 @@ for line in open(sys.argv[1]):
             "speculative_tok_per_s", "speedup", "acceptance", "tokens_per_step", "identical"]
     if "name" in o and "summary" not in o: continue
     if o.get("peak_rss_bytes"): o["peak_rss_gib"] = o["peak_rss_bytes"] / 2**30; keys.append("peak_rss_gib")
+    # bench --multi-tokens: each T's cost in one-token steps, T = 1, 2, ...
+    if o.get("multi_tokens"): o["multi_steps"] = "/".join(f'{r["steps"]:.3f}' for r in o["multi_tokens"]); keys.append("multi_steps")
     out.append(" ".join(f"{k}={o[k]:.4g}" if isinstance(o[k], float) else f"{k}={o[k]}" for k in keys if k in o))
 print(" | ".join(out)[:400])
 EOF
@@ -363,15 +367,18 @@ EOF
       note "$([[ $rc == 0 ]] && echo PASS || echo FAIL) tp-allreduce: rc=$rc, $(grep -c RESULT "$LOG/tp-allreduce.log") runs, $(( SECONDS - t ))s"
       grep -E "^rc=[1-9]|failed runs" "$LOG/tp-allreduce.log" | head -8 | while read -r x; do note "    ${x:0:200}"; done ;;
     ncu)
-      for k in ${NCU_KERNELS:-qmk_decode_step qmk_decode_multi_5}; do
-        t=$SECONDS
-        timeout -k 5 "${BENCH_LIMIT:-300}" ncu --clock-control none --kernel-name "$k" --launch-skip 3 \
-          --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
-          --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-          --section LaunchStats --section Occupancy --section InstructionStats \
-          "$BIN/qwen-mk" bench --preset "${NCU_PRESET:-7b}" --multi-tokens --steps 16 --warmup 1 \
-          > "$OUT/ncu-$k.txt" 2>&1
-        note "ncu $k rc=$? $(( SECONDS - t ))s"
+      for v in qwen-mk ${NCU_ALTS:+$ALTS}; do
+        for k in ${NCU_KERNELS:-qmk_decode_step qmk_decode_multi_5}; do
+          t=$SECONDS
+          f=$OUT/ncu-$k$([[ $v == qwen-mk ]] || echo "-$v").txt
+          # shellcheck disable=SC2086
+          timeout -k 5 "${BENCH_LIMIT:-300}" ncu --clock-control none --kernel-name "$k" --launch-skip 3 \
+            --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+            --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+            --section LaunchStats --section Occupancy --section InstructionStats ${NCU_SECTIONS:-} \
+            "$BIN/$v" bench --preset "${NCU_PRESET:-7b}" --multi-tokens --steps 16 --warmup 1 > "$f" 2>&1
+          note "ncu $k $v rc=$? $(( SECONDS - t ))s"
+        done
       done ;;
     profile)
       IFS=';' read -ra rows <<< "${PROFILE_ROWS:-0.5b=--preset 0.5b;7b=--preset 7b;14b=--preset 14b}"
