@@ -754,6 +754,7 @@ pub fn open_backend(
         fit,
         run.cubin.as_deref(),
         chunk,
+        None,
         ui,
     );
     drop(source);
@@ -810,14 +811,15 @@ fn open_group(
         co_resident: run.tp_co_resident,
         ..qmk_gpu::TpOptions::new(run.tp)
     };
-    let b = gpu::open_tp(
+    let b = gpu::open(
         kind,
         info,
         &source,
         asked,
         fit,
         run.cubin.as_deref(),
-        &tp,
+        None,
+        Some(&tp),
         ui,
     )
     .map_err(|e| anyhow!("{flag} (--backend {}): {e}", kind.name()))?;

@@ -75,7 +75,10 @@ pub fn probe() -> Result<GpuInfo, GpuError> {
 /// spinner) through `ui`. The backend refuses, before its first
 /// allocation, a memory plan the device cannot hold. `prefill_chunk`:
 /// positions per launch of the tensor-core prefill kernel (`None`: decode
-/// steps for the prompt).
+/// steps for the prompt). `tp`: a tensor-parallel group instead of one GPU,
+/// every rank's upload and the compile shown the same way; a group has no
+/// prefill kernel (a rank feeds its prompt as decode steps), so it ignores
+/// `prefill_chunk`.
 #[allow(clippy::too_many_arguments)]
 pub fn open(
     kind: BackendKind,
@@ -85,54 +88,22 @@ pub fn open(
     fit: bool,
     cubin: Option<&Path>,
     prefill_chunk: Option<u32>,
+    tp: Option<&qmk_gpu::TpOptions>,
     ui: &Ui,
 ) -> Result<AnyBackend, GpuError> {
     let opts = Options {
         capacity,
         fit_capacity: fit,
         cubin: cubin.map(Path::to_path_buf),
-        prefill_chunk,
-        ..Default::default()
-    };
-    match kind {
-        BackendKind::Cudarc => open_with::<qmk_backend_cudarc::CudarcDriver>(gpu, source, opts, ui),
-        #[cfg(feature = "cust")]
-        BackendKind::Cust => open_with::<qmk_backend_cust::CustDriver>(gpu, source, opts, ui),
-        #[cfg(not(feature = "cust"))]
-        BackendKind::Cust => Err(GpuError::NoCustFeature),
-        BackendKind::Cpu => Err(GpuError::Other(
-            "the CPU backend is not a GPU backend".into(),
-        )),
-    }
-}
-
-/// [`open`] for a tensor-parallel group (`tp`): every rank's upload and
-/// the compile shown the same way; no prefill kernel (a rank feeds its
-/// prompt as decode steps).
-#[allow(clippy::too_many_arguments)]
-pub fn open_tp(
-    kind: BackendKind,
-    gpu: &GpuInfo,
-    source: &dyn WeightSource,
-    capacity: usize,
-    fit: bool,
-    cubin: Option<&Path>,
-    tp: &qmk_gpu::TpOptions,
-    ui: &Ui,
-) -> Result<AnyBackend, GpuError> {
-    let opts = Options {
-        capacity,
-        fit_capacity: fit,
-        cubin: cubin.map(Path::to_path_buf),
-        prefill_chunk: None,
+        prefill_chunk: prefill_chunk.filter(|_| tp.is_none()),
         ..Default::default()
     };
     match kind {
         BackendKind::Cudarc => {
-            open_group::<qmk_backend_cudarc::CudarcDriver>(gpu, source, opts, tp, ui)
+            open_with::<qmk_backend_cudarc::CudarcDriver>(gpu, source, opts, tp, ui)
         }
         #[cfg(feature = "cust")]
-        BackendKind::Cust => open_group::<qmk_backend_cust::CustDriver>(gpu, source, opts, tp, ui),
+        BackendKind::Cust => open_with::<qmk_backend_cust::CustDriver>(gpu, source, opts, tp, ui),
         #[cfg(not(feature = "cust"))]
         BackendKind::Cust => Err(GpuError::NoCustFeature),
         BackendKind::Cpu => Err(GpuError::Other(
@@ -141,18 +112,20 @@ pub fn open_tp(
     }
 }
 
-fn open_group<D: Driver + 'static>(
+fn open_with<D: Driver + 'static>(
     gpu: &GpuInfo,
     source: &dyn WeightSource,
     opts: Options,
-    tp: &qmk_gpu::TpOptions,
+    tp: Option<&qmk_gpu::TpOptions>,
     ui: &Ui,
 ) -> Result<AnyBackend, GpuError> {
     let mut bars = Bars::new(ui);
-    let made = qmk_gpu::TpBackend::<D>::new(source, opts, tp, &mut bars);
+    let made = match tp {
+        None => GpuBackend::<D>::from_source(source, opts, &mut bars).map(AnyBackend::new),
+        Some(tp) => qmk_gpu::TpBackend::<D>::new(source, opts, tp, &mut bars).map(AnyBackend::new),
+    };
     bars.done();
-    made.map(AnyBackend::new)
-        .map_err(|e| memory_or_other(gpu, e))
+    made.map_err(|e| memory_or_other(gpu, e))
 }
 
 fn memory_or_other(gpu: &GpuInfo, e: qmk_gpu::Error) -> GpuError {
@@ -169,19 +142,6 @@ fn memory_or_other(gpu: &GpuInfo, e: qmk_gpu::Error) -> GpuError {
         },
         e => GpuError::Other(qmk_engine::error_chain(&e)),
     }
-}
-
-fn open_with<D: Driver + 'static>(
-    gpu: &GpuInfo,
-    source: &dyn WeightSource,
-    opts: Options,
-    ui: &Ui,
-) -> Result<AnyBackend, GpuError> {
-    let mut bars = Bars::new(ui);
-    let made = GpuBackend::<D>::from_source(source, opts, &mut bars);
-    bars.done();
-    made.map(AnyBackend::new)
-        .map_err(|e| memory_or_other(gpu, e))
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
