@@ -71,6 +71,11 @@
 #               nvcc was there at build time, else nvcc builds it on the GPU
 #               machine): ranks co-resident on GPU 0, and
 #               one per GPU where there are several; $OUT/tp-allreduce.txt
+#   tensor-dot  the tensor-core dot-product lab (scripts/gpu/lab/tensor-dot:
+#               binaries from the bundle, or from TD_BIN_DIR, else nvcc
+#               builds them on the GPU machine): mma column independence,
+#               the weight phases at T = 1 .. 8 on tensor cores and the
+#               CUDA-core lab beside them; $OUT/tensor-dot.txt
 #   ncu         Nsight Compute on one launch of each of NCU_KERNELS (default
 #               qmk_decode_step and qmk_decode_multi_5) at NCU_PRESET (7b):
 #               speed of light, compute and memory workload, warp states,
@@ -145,11 +150,13 @@ for l in sys.stdin:
   done
   rm -f "$stage/cargo.err"
   if [[ -n ${BASE:-} ]]; then cp "$BASE/qwen-mk" "$stage/base-qwen-mk"; fi
-  # The tensor-parallel all-reduce lab, where nvcc is here (optional).
+  # The tensor-parallel all-reduce lab and the tensor-core dot-product lab,
+  # where nvcc is here (optional).
   if command -v nvcc > /dev/null; then
     AR_BIN_DIR="$stage" bash scripts/gpu/lab/tp-allreduce/run.sh build || echo "the all-reduce lab did not build"
+    TD_BIN_DIR="$stage" bash scripts/gpu/lab/tensor-dot/run.sh build || echo "the tensor-dot lab did not build"
   else
-    echo "no nvcc here: the bundle has no all-reduce lab (tp-allreduce)"
+    echo "no nvcc here: the bundle has no all-reduce lab (tp-allreduce) and no tensor-dot lab"
   fi
   find "$stage" -maxdepth 1 -type f -exec strip {} +
   # The `openai` client and its dependencies for the GPU machine's Python
@@ -366,6 +373,16 @@ EOF
       rc=$?
       note "$([[ $rc == 0 ]] && echo PASS || echo FAIL) tp-allreduce: rc=$rc, $(grep -c RESULT "$LOG/tp-allreduce.log") runs, $(( SECONDS - t ))s"
       grep -E "^rc=[1-9]|failed runs" "$LOG/tp-allreduce.log" | head -8 | while read -r x; do note "    ${x:0:200}"; done ;;
+    tensor-dot)
+      tdb=${TD_BIN_DIR:-$BIN}
+      [[ -x $tdb/td-32b ]] || command -v nvcc > /dev/null \
+        || { note "FAIL tensor-dot: no lab binaries and no nvcc"; continue; }
+      t=$SECONDS
+      OUT=$OUT TD_BIN_DIR=$tdb timeout -k 5 590 bash "$ROOT/scripts/gpu/lab/tensor-dot/run.sh" > "$LOG/tensor-dot.log" 2>&1
+      rc=$?
+      v=PASS; { [[ $rc != 0 ]] || grep -qE "DIFFER|WRONG|[1-9][0-9]* differ" "$LOG/tensor-dot.log"; } && v=FAIL
+      note "$v tensor-dot: rc=$rc, $(( SECONDS - t ))s"
+      grep -E "^(columns|down|[0-9.]+B:|[1-8] +[0-9])" "$LOG/tensor-dot.log" | while read -r x; do note "    ${x:0:160}"; done ;;
     ncu)
       for v in qwen-mk ${NCU_ALTS:+$ALTS}; do
         for k in ${NCU_KERNELS:-qmk_decode_step qmk_decode_multi_5}; do
