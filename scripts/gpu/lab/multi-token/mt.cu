@@ -35,71 +35,18 @@
 //   nvcc -O3 -std=c++17 -arch=sm_90a -Xptxas -v -DLAB_SHAPE=1 -o /tmp/mt-7b mt.cu && /tmp/mt-7b
 // `run.sh` builds and runs every shape.
 
-#include "../ring-tile/ring.cuh"  // CK, dot8 (the kernel's order), warp_sum
-
-#include <algorithm>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
+#include "step_lab.cuh"  // shapes, weights, grid_sync, the plain read, timing; CK, dot8, warp_sum
 
 #ifndef LAB_WARPS
 #define LAB_WARPS 16
 #endif
 // Warps per CTA: the kernel's 16 (128 registers a thread), or 8 (255).
-constexpr int kWarps = LAB_WARPS, kThreads = kWarps * 32, kGrid = 132;
+constexpr int kWarps = LAB_WARPS, kThreads = kWarps * 32;
 constexpr int kSmemFloats = 50 * 1024;  // 200 KB of inputs per CTA
-constexpr int kLayers = 8;              // each with its own weights
-constexpr int kTMax = 8;
 
 #ifndef LAB_MODES_FROM
 #define LAB_MODES_FROM 0
 #endif
-#ifndef LAB_SHAPE
-#define LAB_SHAPE 1
-#endif
-#if LAB_SHAPE == 0
-constexpr int H = 896, Q = 896, KV = 128, I = 4864;
-static const char* kName = "0.5B";
-#elif LAB_SHAPE == 1
-constexpr int H = 3584, Q = 3584, KV = 512, I = 18944;
-static const char* kName = "7B";
-#elif LAB_SHAPE == 2
-constexpr int H = 5120, Q = 5120, KV = 1024, I = 13824;
-static const char* kName = "14B";
-#else
-constexpr int H = 5120, Q = 5120, KV = 1024, I = 27648;
-static const char* kName = "32B";
-#endif
-constexpr int QKV = Q + 2 * KV;
-
-// Elements of one layer's weights and where each matrix starts in it.
-constexpr size_t kOffQkv = 0, kOffO = kOffQkv + (size_t)QKV * H, kOffGu = kOffO + (size_t)H * Q,
-                 kOffD = kOffGu + (size_t)2 * I * H, kLayerElems = kOffD + (size_t)H * I;
-
-__device__ __forceinline__ uint4 ld_weight16(const void* p, uint64_t pol) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(pol));
-    return v;
-}
-
-// The kernel's grid barrier: one counter, a release add, acquire polls.
-__device__ __forceinline__ void grid_sync(unsigned* cnt, unsigned& gen) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        ++gen;
-        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(cnt) : "memory");
-        const unsigned target = gen * gridDim.x;
-        unsigned v;
-        do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(cnt) : "memory");
-        } while (v < target);
-    }
-    __syncthreads();
-}
-
 __host__ __device__ constexpr int lane_vectors(int k) { return (k / 8 + 31) / 32; }
 __host__ __device__ constexpr int even_batch(int n, int most) {
     return (n + (n + most - 1) / most - 1) / ((n + most - 1) / most);
@@ -286,49 +233,6 @@ __global__ void __launch_bounds__(kThreads, 1) step(Bufs b) {
     }
 }
 
-// Weights: uniform in +-sqrt(3 / K) (bf16, round to nearest even), so each
-// output has about its input's scale through the layers.
-__global__ void fill_weights(uint16_t* w, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x) {
-        const size_t e = i % kLayerElems;
-        const int k = e < kOffO ? H : e < kOffGu ? Q : e < kOffD ? H : I;
-        uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull;
-        h ^= h >> 31;
-        h *= 0xBF58476D1CE4E5B9ull;
-        h ^= h >> 29;
-        const float u = (float)(h >> 40) / (float)(1ull << 24) * 2.0f - 1.0f;
-        const float v = u * sqrtf(3.0f / (float)k);
-        const uint32_t bits = __float_as_uint(v);
-        w[i] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-    }
-}
-
-// The plain streaming read that defines the floor: 16-byte loads, 4 in
-// flight per thread.
-__global__ void plain_read(const uint4* p, size_t n, unsigned* sink) {
-    unsigned acc = 0;
-    const size_t stride = (size_t)gridDim.x * blockDim.x;
-    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
-    for (; i + 3 * stride < n; i += 4 * stride) {
-        uint4 v[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) v[q] = __ldcs(p + i + q * stride);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc ^= v[q].x ^ v[q].y ^ v[q].z ^ v[q].w;
-    }
-    for (; i < n; i += stride) {
-        const uint4 v = __ldcs(p + i);
-        acc ^= v.x ^ v.y ^ v.z ^ v.w;
-    }
-    if (acc == 0x12345678u) *sink = acc;
-}
-
-static float median(std::vector<float> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
 struct Run {
     float us;
     std::vector<float> out;  // [T][H], the last layer's down output
@@ -337,29 +241,8 @@ struct Run {
 template <int T, int MODE>
 static Run run(Bufs b, float* yd, int reps) {
     auto k = step<T, MODE>;
-    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemFloats * 4));
-    int per_sm = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, kThreads, kSmemFloats * 4));
-    if (per_sm < 1) {
-        printf("T=%d mode %d: does not fit on an SM\n", T, MODE);
-        exit(1);
-    }
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    std::vector<float> ts;
-    for (int r = 0; r < reps + 1; ++r) {
-        CK(cudaMemset(b.bar, 0, 4));
-        CK(cudaEventRecord(e0));
-        k<<<kGrid, kThreads, kSmemFloats * 4>>>(b);
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        CK(cudaGetLastError());
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r) ts.push_back(ms * 1000.0f);
-    }
-    Run out{median(ts), std::vector<float>((size_t)T * H)};
+    prepare_step(k, kThreads, kSmemFloats * 4, "a step");
+    Run out{time_launches(k, b, kThreads, kSmemFloats * 4, b.bar, reps), std::vector<float>((size_t)T * H)};
     CK(cudaMemcpy(out.out.data(), yd, out.out.size() * 4, cudaMemcpyDeviceToHost));
     return out;
 }
@@ -380,33 +263,13 @@ int main() {
     CK(cudaMalloc(&ygu, (size_t)kTMax * 2 * I * 4));
     CK(cudaMalloc(&yd, (size_t)kTMax * H * 4));
     CK(cudaMalloc(&bar, 64));
-    std::vector<float> hx((size_t)kTMax * H);
-    uint32_t s = 12345;
-    for (auto& v : hx) {
-        s = s * 1664525u + 1013904223u;
-        v = (float)(s >> 8) / (float)(1u << 24) * 2.0f - 1.0f;
-    }
+    const std::vector<float> hx = lab_inputs();
     CK(cudaMemcpy(x0, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaDeviceSynchronize());
 
     // The floor: a plain read of the same weights, median of 7.
-    unsigned* sink;
-    CK(cudaMalloc(&sink, 4));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    std::vector<float> rt;
-    for (int r = 0; r < 8; ++r) {
-        CK(cudaEventRecord(e0));
-        plain_read<<<kGrid * 4, 512>>>(reinterpret_cast<const uint4*>(w), n * 2 / 16, sink);
-        CK(cudaEventRecord(e1));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r) rt.push_back(ms * 1000.0f);
-    }
     const double bytes = (double)n * 2;
-    const float read_us = median(rt);
+    const float read_us = plain_read_us(w, n * 2);
     printf("%s, %d warps per CTA: %d layers, %.2f GB of weights; plain read %.1f us (%.0f GB/s)\n", kName,
            kWarps, kLayers, bytes / 1e9, read_us, bytes / read_us / 1e3);
 
