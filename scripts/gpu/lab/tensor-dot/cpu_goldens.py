@@ -16,7 +16,7 @@ every top-5 logprob from Hugging Face's over the identical prefix.
 
 MODEL_DIR: the directory fetch-real-qwen prints; GOLDEN_JSONL: the 8
 goldens (crates/model/tests/data/golden/qwen2.5-coder-0.5b-instruct.jsonl).
-About 3 minutes per setting on 2 cores.
+About 2 minutes per setting on 2 cores.
 """
 
 import json
