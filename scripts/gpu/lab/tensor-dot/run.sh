@@ -2,13 +2,12 @@
 # Builds (unless TD_BIN_DIR holds prebuilt binaries) and runs the tensor-core
 # dot-product lab at 0.5B, 7B, 14B and 32B shapes on an sm_90 GPU, and beside
 # it the CUDA-core multi-token lab (../multi-token/mt.cu, its modes 3 and 4
-# and the one-token reference) at 7B and 32B:
+# and the one-token reference) at the same shapes:
 #   bash scripts/gpu/lab/tensor-dot/run.sh                        (on the GPU machine, nvcc)
 #   TD_BIN_DIR=DIR bash scripts/gpu/lab/tensor-dot/run.sh build   (here: nvcc, no GPU)
 #   TD_BIN_DIR=DIR bash scripts/gpu/lab/tensor-dot/run.sh         (there, with DIR carried)
 # TD_NVCC_FLAGS: -DLAB_NB=N sets the k-steps of loads per register set (4).
-# td-7b-split and td-32b-split take each input as two bf16 planes (hi, lo:
-# -DLAB_SPLIT=1).
+# td-*-split take each input as two bf16 planes (hi, lo: -DLAB_SPLIT=1).
 # ~20 s of nvcc per tensor-core shape, ~40 s per CUDA-core shape; about 10 s
 # of GPU per shape.
 set -euo pipefail
@@ -22,7 +21,7 @@ if [[ ${1:-} == build || ! -x $BIN/td-32b ]]; then
     nvcc -O3 -std=c++17 -arch=sm_90a -Xptxas -v ${TD_NVCC_FLAGS:-} -DLAB_SHAPE="$i" -o "$BIN/td-${shapes[$i]}" \
       "$HERE/td.cu" 2> "$BIN/ptxas-td-${shapes[$i]}.txt" || { cat "$BIN/ptxas-td-${shapes[$i]}.txt"; exit 1; }
   done
-  for i in 1 3; do
+  for i in "${!shapes[@]}"; do
     nvcc -O3 -std=c++17 -arch=sm_90a ${TD_NVCC_FLAGS:-} -DLAB_SPLIT=1 -DLAB_SHAPE="$i" -o "$BIN/td-${shapes[$i]}-split" \
       "$HERE/td.cu"
     nvcc -O3 -std=c++17 -arch=sm_90a -DLAB_MODES_FROM=3 -DLAB_SHAPE="$i" -o "$BIN/mt-${shapes[$i]}" \
@@ -31,9 +30,9 @@ if [[ ${1:-} == build || ! -x $BIN/td-32b ]]; then
   rm -f "$BIN"/ptxas-td-*.txt
   [[ ${1:-} == build ]] && exit 0
 fi
-for s in "${shapes[@]}" 7b-split 32b-split; do
-  if [[ -x $BIN/td-$s ]]; then timeout 120 "$BIN/td-$s" | tee -a "$OUT/tensor-dot.txt"; fi
-done
-for s in 7b 32b; do
-  if [[ -x $BIN/mt-$s ]]; then timeout 120 "$BIN/mt-$s" | tee -a "$OUT/tensor-dot.txt"; fi
+# 7B and 32B first: the goal's shapes.
+for s in 7b 32b 14b 0.5b; do
+  for b in td-$s td-$s-split mt-$s; do
+    if [[ -x $BIN/$b ]]; then timeout 120 "$BIN/$b" | tee -a "$OUT/tensor-dot.txt"; fi
+  done
 done
