@@ -375,7 +375,7 @@ EOF
       grep -E "^rc=[1-9]|failed runs" "$LOG/tp-allreduce.log" | head -8 | while read -r x; do note "    ${x:0:200}"; done ;;
     tensor-dot)
       tdb=${TD_BIN_DIR:-$BIN}
-      [[ -x $tdb/td-32b ]] || command -v nvcc > /dev/null \
+      compgen -G "$tdb/td-*" > /dev/null || command -v nvcc > /dev/null \
         || { note "FAIL tensor-dot: no lab binaries and no nvcc"; continue; }
       t=$SECONDS
       OUT=$OUT TD_BIN_DIR=$tdb timeout -k 5 590 bash "$ROOT/scripts/gpu/lab/tensor-dot/run.sh" > "$LOG/tensor-dot.log" 2>&1

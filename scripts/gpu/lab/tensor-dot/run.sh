@@ -8,15 +8,16 @@
 #   TD_BIN_DIR=DIR bash scripts/gpu/lab/tensor-dot/run.sh         (there, with DIR carried)
 # TD_NVCC_FLAGS: -DLAB_NB=N sets the k-steps of loads per register set (4).
 # td-*-split take each input as two bf16 planes (hi, lo: -DLAB_SPLIT=1).
-# ~20 s of nvcc per tensor-core shape, ~40 s per CUDA-core shape; about 10 s
-# of GPU per shape.
+# About 80 s of nvcc per shape (tensor cores, hi + lo, CUDA cores); about
+# 10 s of GPU per binary. A carried DIR may hold any subset: it builds only
+# when DIR holds no tensor-core binary at all, and runs what is there.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 BIN=${TD_BIN_DIR:-/tmp/td-lab}
 OUT=${OUT:-/tmp}
 mkdir -p "$BIN"
 shapes=(0.5b 7b 14b 32b)
-if [[ ${1:-} == build || ! -x $BIN/td-32b ]]; then
+if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
   for i in "${!shapes[@]}"; do
     nvcc -O3 -std=c++17 -arch=sm_90a -Xptxas -v ${TD_NVCC_FLAGS:-} -DLAB_SHAPE="$i" -o "$BIN/td-${shapes[$i]}" \
       "$HERE/td.cu" 2> "$BIN/ptxas-td-${shapes[$i]}.txt" || { cat "$BIN/ptxas-td-${shapes[$i]}.txt"; exit 1; }
