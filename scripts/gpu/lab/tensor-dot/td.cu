@@ -39,6 +39,13 @@
 //     64 bytes off a multiple of 128 so the 8 tokens' reads take distinct
 //     banks); where T inputs do not fit, column chunks, each unit's sums
 //     held across them.
+// Variants, to find what holds the one-token stream below a plain read:
+// -DLAB_TILED=1 stores the weights in tile order (a unit's k-steps one
+// contiguous stream, 512 contiguous bytes per load instruction instead of
+// 64 bytes from each of 8 rows); -DLAB_DEFER=1 moves the fence and the
+// counters to the end of the warp's stream (a fence waits for the loads in
+// flight, here the next batch's); -DLAB_EARLY=1 issues a phase's first
+// batch of loads before the grid barrier and the input copy.
 // Every token's last-layer outputs of a T-token run are checked bit for
 // bit against its own one-token run (token in column 0). Times are the
 // median of 5 launches against a plain read of the same weights.
@@ -64,6 +71,30 @@ constexpr int NB = LAB_NB;  // k-steps of loads per register set
 // each multiplied in its own MMAs into the same sums (16 bits of the
 // input's mantissa instead of 8).
 constexpr int kPlanes = LAB_SPLIT ? 2 : 1;
+#ifndef LAB_TILED
+#define LAB_TILED 0
+#endif
+// 1: the weights in tile order, so each unit's k-steps are one contiguous
+// stream and each 16-byte load instruction of a warp reads 512 contiguous
+// bytes: tile r / 16, then k-step k / 32, then half (rows g, g + 8), then
+// lane (g, q), 8 elements. 0: row-major [ROWS][K], where one load
+// instruction reads 64 bytes from each of 8 rows.
+constexpr bool kTiled = LAB_TILED;
+#ifndef LAB_DEFER
+#define LAB_DEFER 0
+#endif
+// 1: a unit's slice partials are stored as it ends, and the fence, the
+// tile counters and the last arrival's sums wait until the warp's stream
+// ends; 0: fence and counter at each unit's end, while the next batch's
+// loads are in flight.
+constexpr bool kDefer = LAB_DEFER;
+#ifndef LAB_EARLY
+#define LAB_EARLY 0
+#endif
+// 1: a phase issues its first batch of weight loads before the grid
+// barrier that ends the previous phase and before its input copy (the
+// weights do not depend on them); 0: barrier, copy, then loads.
+constexpr bool kEarly = LAB_EARLY;
 
 // ---------------------------------------------------------------- helpers
 
@@ -197,9 +228,10 @@ struct Scratch {
 
 // One weight phase on tensor cores: y[t][r] = W[r, :] . bf16(x[t][:]) for
 // t < T, W [ROWS, K] bf16.
-template <int K, int ROWS, int T>
+// `wait` is the grid barrier that ends the previous phase.
+template <int K, int ROWS, int T, class Wait>
 __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const float* x, int xstride, float* y,
-                                      int ystride, uint16_t* xs, Scratch sc, uint64_t pol) {
+                                      int ystride, uint16_t* xs, Scratch sc, uint64_t pol, Wait wait) {
     static_assert(ROWS % 16 == 0 && K % 32 == 0, "shape");
     constexpr int KS = K / 32;  // k-steps
     constexpr int S = slices(ROWS, K);
@@ -212,6 +244,8 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     constexpr int NCH = (K + KC - 1) / KC;
     constexpr int P = KC % 64 == 0 ? KC + 32 : KC;
     static_assert(P * T * 2 * kPlanes <= kSmemBytes, "inputs fit");
+    // Elements from one k-step's load to the next, and from rows g to g + 8.
+    constexpr size_t JSTRIDE = kTiled ? 512 : 32, HOFF = kTiled ? 256 : (size_t)8 * K;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
     const int me = blockIdx.x * kWarps + warp;
     const unsigned xs_base = (unsigned)__cvta_generic_to_shared(xs);
@@ -268,6 +302,50 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         }
     };
     auto slice_lo = [](int s) { return s * KS / S; };
+    // The counter of unit u's tile, after its partial is stored and fenced:
+    // the last of the tile's S units to arrive adds the S partials in slice
+    // order and writes the outputs.
+    auto arrive = [&](int u) {
+        const int tile = u / S;
+        const int r0 = tile * 16 + g, t0 = 2 * q;
+        float* pt = sc.part + (size_t)tile * S * 128;  // [S][16][8]
+        __syncwarp();
+        unsigned old = 0;
+        if (lane == 0) old = atomicAdd(sc.cnt + tile, 1u);
+        old = __shfl_sync(0xffffffffu, old, 0);
+        if (old == (unsigned)S - 1u) {
+            __threadfence();
+            float2 a = __ldcg(reinterpret_cast<const float2*>(pt + g * 8 + t0));
+            float2 b = __ldcg(reinterpret_cast<const float2*>(pt + (g + 8) * 8 + t0));
+#pragma unroll 1
+            for (int k = 1; k < S; ++k) {
+                const float2 a1 = __ldcg(reinterpret_cast<const float2*>(pt + k * 128 + g * 8 + t0));
+                const float2 b1 = __ldcg(reinterpret_cast<const float2*>(pt + k * 128 + (g + 8) * 8 + t0));
+                a.x += a1.x;
+                a.y += a1.y;
+                b.x += b1.x;
+                b.y += b1.y;
+            }
+            if (t0 < T) {
+                y[(size_t)t0 * ystride + r0] = a.x;
+                y[(size_t)t0 * ystride + r0 + 8] = b.x;
+            }
+            if (t0 + 1 < T) {
+                y[(size_t)(t0 + 1) * ystride + r0] = a.y;
+                y[(size_t)(t0 + 1) * ystride + r0 + 8] = b.y;
+            }
+            if (lane == 0) sc.cnt[tile] = 0u;
+        }
+    };
+    // With deferred arrivals: one fence for the warp's stored partials,
+    // then each of its units' counters.
+    auto arrive_all = [&]() {
+        if constexpr (kDefer && S > 1) {
+            __threadfence();
+            for (int k = 0; k < MAXU; ++k)
+                if (k * kNwt + me < UNITS) arrive(k * kNwt + me);
+        }
+    };
     // A unit's sums: lane (g, q) holds rows g, g + 8 of the tile, tokens
     // 2q, 2q + 1.
     auto flush = [&](int u, const float (&d)[4]) {
@@ -286,40 +364,19 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             float* pt = sc.part + (size_t)tile * S * 128;  // [S][16][8]
             *reinterpret_cast<float2*>(pt + s * 128 + g * 8 + t0) = make_float2(d[0], d[1]);
             *reinterpret_cast<float2*>(pt + s * 128 + (g + 8) * 8 + t0) = make_float2(d[2], d[3]);
-            __threadfence();
-            __syncwarp();
-            unsigned old = 0;
-            if (lane == 0) old = atomicAdd(sc.cnt + tile, 1u);
-            old = __shfl_sync(0xffffffffu, old, 0);
-            if (old == (unsigned)S - 1u) {
+            if constexpr (!kDefer) {
                 __threadfence();
-                float2 a = __ldcg(reinterpret_cast<const float2*>(pt + g * 8 + t0));
-                float2 b = __ldcg(reinterpret_cast<const float2*>(pt + (g + 8) * 8 + t0));
-#pragma unroll 1
-                for (int k = 1; k < S; ++k) {
-                    const float2 a1 = __ldcg(reinterpret_cast<const float2*>(pt + k * 128 + g * 8 + t0));
-                    const float2 b1 = __ldcg(reinterpret_cast<const float2*>(pt + k * 128 + (g + 8) * 8 + t0));
-                    a.x += a1.x;
-                    a.y += a1.y;
-                    b.x += b1.x;
-                    b.y += b1.y;
-                }
-                if (t0 < T) {
-                    y[(size_t)t0 * ystride + r0] = a.x;
-                    y[(size_t)t0 * ystride + r0 + 8] = b.x;
-                }
-                if (t0 + 1 < T) {
-                    y[(size_t)(t0 + 1) * ystride + r0] = a.y;
-                    y[(size_t)(t0 + 1) * ystride + r0 + 8] = b.y;
-                }
-                if (lane == 0) sc.cnt[tile] = 0u;
+                arrive(u);
             }
         }
     };
 
     if constexpr (NCH == 1) {
-        copy_chunk(0);
-        __syncthreads();
+        if constexpr (!kEarly) {
+            wait();
+            copy_chunk(0);
+            __syncthreads();
+        }
         // Two cursors over the warp's (unit, k-step) sequence, one for the
         // loads and one for the sums.
         struct Cur {
@@ -332,7 +389,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
                 const int tile = c.u / S, s = c.u - tile * S;
                 c.j = slice_lo(s);
                 c.j1 = slice_lo(s + 1);
-                c.r = w + (size_t)(tile * 16 + g) * K + 8 * q;
+                c.r = w + (kTiled ? (size_t)tile * 16 * K + 8 * lane : (size_t)(tile * 16 + g) * K + 8 * q);
             }
         };
         Cur lc{0, 0, 0, 0, nullptr}, cc{0, 0, 0, 0, nullptr};
@@ -345,8 +402,8 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
 #pragma unroll
             for (int i = 0; i < NB; ++i)
                 if (lc.j + i < lc.j1) {
-                    wa[i] = ld_weight16(lc.r + 32 * (lc.j + i), pol);
-                    wb[i] = ld_weight16(lc.r + (size_t)8 * K + 32 * (lc.j + i), pol);
+                    wa[i] = ld_weight16(lc.r + JSTRIDE * (lc.j + i), pol);
+                    wb[i] = ld_weight16(lc.r + HOFF + JSTRIDE * (lc.j + i), pol);
                 }
             lc.j += NB;
             if (lc.j >= lc.j1) {
@@ -369,6 +426,11 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         };
         uint4 wa0[NB], wb0[NB], wa1[NB], wb1[NB];
         load(wa0, wb0);
+        if constexpr (kEarly) {
+            wait();
+            copy_chunk(0);
+            __syncthreads();
+        }
 #pragma unroll 1
         while (cc.u < UNITS) {
             load(wa1, wb1);
@@ -377,7 +439,9 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             load(wa0, wb0);
             compute(wa1, wb1);
         }
+        arrive_all();
     } else {
+        wait();
         float d[MAXU][4];
 #pragma unroll
         for (int k = 0; k < MAXU; ++k) d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0.0f;
@@ -392,15 +456,15 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
                 const int u = k * kNwt + me;
                 if (u >= UNITS) break;
                 const int j0 = max(slice_lo(u % S), cj0), j1 = min(slice_lo(u % S + 1), cj1);
-                const uint16_t* r = w + (size_t)((u / S) * 16 + g) * K + 8 * q;
+                const uint16_t* r = w + (kTiled ? (size_t)(u / S) * 16 * K + 8 * lane : (size_t)((u / S) * 16 + g) * K + 8 * q);
 #pragma unroll 1
                 for (int j = j0; j < j1; j += NB) {
                     uint4 wa[NB], wb[NB];
 #pragma unroll
                     for (int i = 0; i < NB; ++i)
                         if (j + i < j1) {
-                            wa[i] = ld_weight16(r + 32 * (j + i), pol);
-                            wb[i] = ld_weight16(r + (size_t)8 * K + 32 * (j + i), pol);
+                            wa[i] = ld_weight16(r + JSTRIDE * (j + i), pol);
+                            wb[i] = ld_weight16(r + HOFF + JSTRIDE * (j + i), pol);
                         }
 #pragma unroll
                     for (int i = 0; i < NB; ++i)
@@ -411,6 +475,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
 #pragma unroll
         for (int k = 0; k < MAXU; ++k)
             if (k * kNwt + me < UNITS) flush(k * kNwt + me, d[k]);
+        arrive_all();
     }
 }
 
@@ -428,17 +493,17 @@ __global__ void __launch_bounds__(kThreads, 1) step(Bufs b) {
     uint64_t pol;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
     unsigned gen = 0;
+    auto sync = [&] { grid_sync(b.bar, gen); };
     for (int l = 0; l < kLayers; ++l) {
         const uint16_t* wl = b.w + (size_t)l * kLayerElems;
-        phase<H, QKV, T>(wl + kOffQkv, l ? b.yd : b.x0, H, b.yqkv, QKV, xs, b.sc, pol);
-        grid_sync(b.bar, gen);
-        phase<Q, H, T>(wl + kOffO, b.yqkv, QKV, b.yo, H, xs, b.sc, pol);
-        grid_sync(b.bar, gen);
-        phase<H, 2 * I, T>(wl + kOffGu, b.yo, H, b.ygu, 2 * I, xs, b.sc, pol);
-        grid_sync(b.bar, gen);
-        phase<I, H, T>(wl + kOffD, b.ygu, 2 * I, b.yd, H, xs, b.sc, pol);
-        grid_sync(b.bar, gen);
+        phase<H, QKV, T>(wl + kOffQkv, l ? b.yd : b.x0, H, b.yqkv, QKV, xs, b.sc, pol, [&] {
+            if (l) sync();
+        });
+        phase<Q, H, T>(wl + kOffO, b.yqkv, QKV, b.yo, H, xs, b.sc, pol, sync);
+        phase<H, 2 * I, T>(wl + kOffGu, b.yo, H, b.ygu, 2 * I, xs, b.sc, pol, sync);
+        phase<I, H, T>(wl + kOffD, b.ygu, 2 * I, b.yd, H, xs, b.sc, pol, sync);
     }
+    sync();
 }
 
 struct Run {
@@ -505,9 +570,10 @@ int main() {
     const double bytes = (double)n * 2;
     const float read_us = plain_read_us(w, n * 2);
     printf("%s: %d layers, %.2f GB of weights; plain read %.1f us (%.0f GB/s); slices q/k/v %d, o_proj %d, "
-           "gate/up %d, down %d; NB %d; inputs %s\n",
+           "gate/up %d, down %d; NB %d; inputs %s; weights %s; arrivals %s; first loads %s\n",
            kName, kLayers, bytes / 1e9, read_us, bytes / read_us / 1e3, slices(QKV, H), slices(H, Q),
-           slices(2 * I, H), slices(H, I), NB, LAB_SPLIT ? "bf16 hi + lo" : "bf16");
+           slices(2 * I, H), slices(H, I), NB, LAB_SPLIT ? "bf16 hi + lo" : "bf16", kTiled ? "tiled" : "row-major",
+           kDefer ? "deferred to the stream's end" : "per unit", kEarly ? "before the barrier" : "after the copy");
 
     Bufs b{w, x0, yqkv, yo, ygu, yd, bar, Scratch{part, cnt}};
     std::vector<std::vector<float>> ref(kTMax);
@@ -538,7 +604,13 @@ int main() {
                     const uint32_t h = bf16_bits(in[k]);
                     double v = f(h);
                     if (LAB_SPLIT) v += f(bf16_bits(in[k] - (float)f(h)));
-                    acc += f(wd[(size_t)row * I + k]) * v;
+                    size_t at = (size_t)row * I + k;
+                    if (kTiled) {
+                        const int r16 = row % 16, c = k % 32;
+                        at = ((size_t)(row / 16) * (I / 32) + k / 32) * 512 + (r16 / 8) * 256 +
+                             ((r16 % 8) * 4 + c / 8) * 8 + c % 8;
+                    }
+                    acc += f(wd[at]) * v;
                 }
                 worst = std::max(worst, std::fabs(acc - (double)r.out[row]));
                 scale = std::max(scale, std::fabs(acc));
