@@ -6,21 +6,23 @@
 #   bash scripts/gpu/lab/tensor-dot/run.sh                        (on the GPU machine, nvcc)
 #   TD_BIN_DIR=DIR bash scripts/gpu/lab/tensor-dot/run.sh build   (here: nvcc, no GPU)
 #   TD_BIN_DIR=DIR bash scripts/gpu/lab/tensor-dot/run.sh         (there, with DIR carried)
-# TD_NVCC_FLAGS: -DLAB_NB=N sets the k-steps of loads per register set (4).
-# td-*-split take each input as two bf16 planes (hi, lo: -DLAB_SPLIT=1);
-# -tiled stores the weights in tile order (-DLAB_TILED=1), -defer fences
-# and counts the slice partials at the end of a warp's stream
-# (-DLAB_DEFER=1), -early issues a phase's first weight loads before the
-# grid barrier and the input copy (-DLAB_EARLY=1). TD_SHAPES (default "0.5b 7b 14b 32b") picks the shapes.
-# About 80 s of nvcc per shape (tensor cores, hi + lo, CUDA cores); about
-# 10 s of GPU per binary. A carried DIR may hold any subset: it builds only
-# when DIR holds no tensor-core binary at all, and runs what is there.
+# TD_NVCC_FLAGS adds nvcc flags to every tensor-core build.
+# A binary's name lists its variant flags after the shape: split (each input
+# as two bf16 planes, hi and lo), tiled (weights in tile order), defer
+# (slice partials fenced and counted at the end of a warp's stream), early
+# (a phase's first weight loads before the grid barrier and the input
+# copy), balance (equal contiguous shares of k-steps instead of units),
+# pfN (L2 bulk prefetch N k-steps ahead), nbN (N k-steps per register
+# set); td.cu's header says more. TD_VARIANTS replaces the default list;
+# TD_SHAPES (default "0.5b 7b 14b 32b") picks the shapes.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 BIN=${TD_BIN_DIR:-/tmp/td-lab}
 OUT=${OUT:-/tmp}
 mkdir -p "$BIN"
 shapes=(0.5b 7b 14b 32b)
+variants=${TD_VARIANTS:-"split split-tiled split-defer split-tiled-defer split-tiled-defer-early tiled-defer-early
+  split-tiled-defer-early-balance split-tiled-defer-early-balance-pf16"}
 if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
   for i in "${!shapes[@]}"; do
     [[ " ${TD_SHAPES:-${shapes[*]}} " == *" ${shapes[$i]} "* ]] || continue
@@ -29,12 +31,16 @@ if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
   done
   for i in "${!shapes[@]}"; do
     [[ " ${TD_SHAPES:-${shapes[*]}} " == *" ${shapes[$i]} "* ]] || continue
-    for v in split split-tiled split-defer split-tiled-defer split-tiled-defer-early tiled-defer-early; do
+    for v in $variants; do
       f=""
-      [[ $v == split* ]] && f+=" -DLAB_SPLIT=1"
-      [[ $v == *tiled* ]] && f+=" -DLAB_TILED=1"
-      [[ $v == *defer* ]] && f+=" -DLAB_DEFER=1"
-      [[ $v == *early* ]] && f+=" -DLAB_EARLY=1"
+      for x in ${v//-/ }; do
+        case $x in
+          split | tiled | defer | early | balance) f+=" -DLAB_${x^^}=1" ;;
+          pf*) f+=" -DLAB_PF=${x#pf}" ;;
+          nb*) f+=" -DLAB_NB=${x#nb}" ;;
+          *) echo "unknown variant flag $x"; exit 1 ;;
+        esac
+      done
       # shellcheck disable=SC2086
       nvcc -O3 -std=c++17 -arch=sm_90a ${TD_NVCC_FLAGS:-} $f -DLAB_SHAPE="$i" -o "$BIN/td-${shapes[$i]}-$v" "$HERE/td.cu"
     done
@@ -46,8 +52,7 @@ if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
 fi
 # 7B and 32B first: the goal's shapes.
 for s in 7b 32b 14b 0.5b; do
-  for b in td-$s td-$s-split td-$s-split-defer td-$s-split-tiled td-$s-split-tiled-defer td-$s-split-tiled-defer-early \
-    td-$s-tiled-defer-early mt-$s; do
-    if [[ -x $BIN/$b ]]; then timeout 120 "$BIN/$b" | tee -a "$OUT/tensor-dot.txt"; fi
+  for b in "$BIN/td-$s" "$BIN"/td-"$s"-* "$BIN/mt-$s"; do
+    if [[ -x $b ]]; then timeout 120 "$b" | tee -a "$OUT/tensor-dot.txt"; fi
   done
 done

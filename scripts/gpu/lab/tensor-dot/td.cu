@@ -45,7 +45,11 @@
 // 64 bytes from each of 8 rows); -DLAB_DEFER=1 moves the fence and the
 // counters to the end of the warp's stream (a fence waits for the loads in
 // flight, here the next batch's); -DLAB_EARLY=1 issues a phase's first
-// batch of loads before the grid barrier and the input copy.
+// batch of loads before the grid barrier and the input copy;
+// -DLAB_BALANCE=1 gives each warp an equal contiguous share of the phase's
+// k-steps in tile order instead of round-robin units (the shares depend on
+// the shape only, so the partials' order does not depend on T);
+// -DLAB_PF=N (with both) asks L2 for the stream N k-steps ahead.
 // Every token's last-layer outputs of a T-token run are checked bit for
 // bit against its own one-token run (token in column 0). Times are the
 // median of 5 launches against a plain read of the same weights.
@@ -95,6 +99,23 @@ constexpr bool kDefer = LAB_DEFER;
 // barrier that ends the previous phase and before its input copy (the
 // weights do not depend on them); 0: barrier, copy, then loads.
 constexpr bool kEarly = LAB_EARLY;
+#ifndef LAB_BALANCE
+#define LAB_BALANCE 0
+#endif
+// 1: each warp takes an equal contiguous share of a phase's k-steps in tile
+// order (with tiled weights one contiguous stream), cut at tile ends into
+// pieces whose partials the last contributor adds in warp order; 0: units
+// of 16 rows x one of S equal k-slices, dealt round-robin.
+constexpr bool kBalance = LAB_BALANCE;
+#ifndef LAB_PF
+#define LAB_PF 0
+#endif
+// k-steps (1 KB each) ahead of its loads at which a warp asks L2 to fetch
+// the next batch of its stream (cp.async.bulk.prefetch.L2): more of the
+// stream in flight without registers; 0: no prefetch. Needs tiled weights
+// and balanced shares (the share is one contiguous range).
+constexpr int kPf = LAB_PF;
+static_assert(kPf == 0 || (LAB_TILED && LAB_BALANCE), "the prefetch follows one contiguous stream");
 
 // ---------------------------------------------------------------- helpers
 
@@ -222,7 +243,7 @@ __host__ __device__ constexpr int slices(int rows, int k) {
 }
 
 struct Scratch {
-    float* part;     // [tiles][S][16][8] f32, partial sums
+    float* part;     // [tiles][64][16][8] f32, partial sums (a slot per contributor)
     unsigned* cnt;   // [tiles], zero between phases
 };
 
@@ -302,23 +323,68 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         }
     };
     auto slice_lo = [](int s) { return s * KS / S; };
-    // The counter of unit u's tile, after its partial is stored and fenced:
-    // the last of the tile's S units to arrive adds the S partials in slice
-    // order and writes the outputs.
-    auto arrive = [&](int u) {
-        const int tile = u / S;
+    // The phase's k-steps in tile order and each warp's equal share of
+    // them (balanced pieces): warp w takes [start(w), start(w + 1)).
+    constexpr int W = TILES * KS;
+    static_assert(!kBalance || W >= kNwt, "every warp gets a k-step");
+    static_assert((long long)(W + 1) * kNwt < (1ll << 31), "32-bit share arithmetic");
+    // Pieces per warp, and contributors (slots) per tile, at most.
+    constexpr int MAXP = kBalance ? (int)(((W + kNwt - 1) / kNwt + KS - 1) / KS + 1) : MAXU;
+    constexpr int SLOTS = kBalance ? (int)((KS - 1) / (W / kNwt) + 2) : S;
+    static_assert(SLOTS <= 64, "the partial buffer holds 64 slots a tile");
+    auto start = [](int wi) { return wi * W / kNwt; };
+    // The warp whose share holds k-step p.
+    auto owner = [](int p) { return ((p + 1) * kNwt + W - 1) / W - 1; };
+    // A piece: k-steps [j0, j1) of one tile, the warp's slot among the
+    // tile's contributors and their count. Units: piece k is unit
+    // k kNwt + me (slice s of S). Balanced: the k-th tile the warp's share
+    // touches, cut to the share. Neither depends on T.
+    struct Piece {
+        int tile, j0, j1, slot, count;
+    };
+    auto piece = [&](int k, Piece& pc) -> bool {
+        if constexpr (!kBalance) {
+            const int u = k * kNwt + me;
+            if (u >= UNITS) return false;
+            pc.tile = u / S;
+            pc.slot = u - pc.tile * S;
+            pc.j0 = slice_lo(pc.slot);
+            pc.j1 = slice_lo(pc.slot + 1);
+            pc.count = S;
+            return true;
+        } else {
+            const int b0 = start(me), e0 = start(me + 1);
+            const int t = b0 / KS + k;
+            const int p0 = max(b0, t * KS);
+            if (p0 >= e0) return false;
+            const int p1 = min(e0, (t + 1) * KS);
+            pc.tile = t;
+            pc.j0 = p0 - t * KS;
+            pc.j1 = p1 - t * KS;
+            const int first = owner(t * KS);
+            pc.slot = me - first;
+            pc.count = owner(t * KS + KS - 1) - first + 1;
+            return true;
+        }
+    };
+    // The counter of a piece's tile, after its partial is stored and
+    // fenced: the last of the tile's contributors to arrive adds the
+    // partials in slot order and writes the outputs.
+    auto arrive = [&](const Piece& pc) {
+        const int tile = pc.tile;
         const int r0 = tile * 16 + g, t0 = 2 * q;
-        float* pt = sc.part + (size_t)tile * S * 128;  // [S][16][8]
+        float* pt = sc.part + (size_t)tile * SLOTS * 128;  // [SLOTS][16][8]
         __syncwarp();
         unsigned old = 0;
         if (lane == 0) old = atomicAdd(sc.cnt + tile, 1u);
         old = __shfl_sync(0xffffffffu, old, 0);
-        if (old == (unsigned)S - 1u) {
+        const int count = kBalance ? pc.count : S;
+        if (old == (unsigned)count - 1u) {
             __threadfence();
             float2 a = __ldcg(reinterpret_cast<const float2*>(pt + g * 8 + t0));
             float2 b = __ldcg(reinterpret_cast<const float2*>(pt + (g + 8) * 8 + t0));
 #pragma unroll 1
-            for (int k = 1; k < S; ++k) {
+            for (int k = 1; k < count; ++k) {
                 const float2 a1 = __ldcg(reinterpret_cast<const float2*>(pt + k * 128 + g * 8 + t0));
                 const float2 b1 = __ldcg(reinterpret_cast<const float2*>(pt + k * 128 + (g + 8) * 8 + t0));
                 a.x += a1.x;
@@ -338,20 +404,20 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         }
     };
     // With deferred arrivals: one fence for the warp's stored partials,
-    // then each of its units' counters.
+    // then each of its pieces' counters.
     auto arrive_all = [&]() {
-        if constexpr (kDefer && S > 1) {
+        if constexpr (kDefer) {
             __threadfence();
-            for (int k = 0; k < MAXU; ++k)
-                if (k * kNwt + me < UNITS) arrive(k * kNwt + me);
+            Piece pc;
+            for (int k = 0; k < MAXP && piece(k, pc); ++k)
+                if (kBalance ? pc.count > 1 : S > 1) arrive(pc);
         }
     };
-    // A unit's sums: lane (g, q) holds rows g, g + 8 of the tile, tokens
+    // A piece's sums: lane (g, q) holds rows g, g + 8 of the tile, tokens
     // 2q, 2q + 1.
-    auto flush = [&](int u, const float (&d)[4]) {
-        const int tile = u / S, s = u % S;
-        const int r0 = tile * 16 + g, t0 = 2 * q;
-        if constexpr (S == 1) {
+    auto flush = [&](const Piece& pc, const float (&d)[4]) {
+        const int r0 = pc.tile * 16 + g, t0 = 2 * q;
+        if (kBalance ? pc.count == 1 : S == 1) {
             if (t0 < T) {
                 y[(size_t)t0 * ystride + r0] = d[0];
                 y[(size_t)t0 * ystride + r0 + 8] = d[2];
@@ -361,14 +427,17 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
                 y[(size_t)(t0 + 1) * ystride + r0 + 8] = d[3];
             }
         } else {
-            float* pt = sc.part + (size_t)tile * S * 128;  // [S][16][8]
-            *reinterpret_cast<float2*>(pt + s * 128 + g * 8 + t0) = make_float2(d[0], d[1]);
-            *reinterpret_cast<float2*>(pt + s * 128 + (g + 8) * 8 + t0) = make_float2(d[2], d[3]);
+            float* pt = sc.part + (size_t)pc.tile * SLOTS * 128;  // [SLOTS][16][8]
+            *reinterpret_cast<float2*>(pt + pc.slot * 128 + g * 8 + t0) = make_float2(d[0], d[1]);
+            *reinterpret_cast<float2*>(pt + pc.slot * 128 + (g + 8) * 8 + t0) = make_float2(d[2], d[3]);
             if constexpr (!kDefer) {
                 __threadfence();
-                arrive(u);
+                arrive(pc);
             }
         }
+    };
+    auto rows_at = [&](int tile) {
+        return w + (kTiled ? (size_t)tile * 16 * K + 8 * lane : (size_t)(tile * 16 + g) * K + 8 * q);
     };
 
     if constexpr (NCH == 1) {
@@ -377,28 +446,37 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             copy_chunk(0);
             __syncthreads();
         }
-        // Two cursors over the warp's (unit, k-step) sequence, one for the
+        // Two cursors over the warp's (piece, k-step) sequence, one for the
         // loads and one for the sums.
         struct Cur {
-            int k, u, j, j1;
-            const uint16_t* r;  // row g of the unit's tile, column 8 q
+            int k, j, j1;       // j1 = 0: past the warp's last piece
+            const uint16_t* r;  // row g of the piece's tile, column 8 q
         };
         auto enter = [&](Cur& c) {
-            c.u = c.k * kNwt + me;
-            if (c.u < UNITS) {
-                const int tile = c.u / S, s = c.u - tile * S;
-                c.j = slice_lo(s);
-                c.j1 = slice_lo(s + 1);
-                c.r = w + (kTiled ? (size_t)tile * 16 * K + 8 * lane : (size_t)(tile * 16 + g) * K + 8 * q);
+            Piece pc;
+            c.j1 = 0;
+            if (piece(c.k, pc)) {
+                c.j = pc.j0;
+                c.j1 = pc.j1;
+                c.r = rows_at(pc.tile);
             }
         };
-        Cur lc{0, 0, 0, 0, nullptr}, cc{0, 0, 0, 0, nullptr};
+        Cur lc{0, 0, 0, nullptr}, cc{0, 0, 0, nullptr};
         enter(lc);
         enter(cc);
-        // A batch is up to NB k-steps of one unit; the loads run one batch
-        // ahead of the sums, across units.
+        // A batch is up to NB k-steps of one piece; the loads run one batch
+        // ahead of the sums, across pieces.
         auto load = [&](uint4 (&wa)[NB], uint4 (&wb)[NB]) {
-            if (lc.u >= UNITS) return;
+            if (!lc.j1) return;
+            if constexpr (kPf > 0) {
+                // The stream position of this batch, in k-steps from the
+                // phase's first, and the batch kPf k-steps ahead of it.
+                const int p = (int)((lc.r - w - 8 * lane) / 512) + lc.j + kPf;
+                if (lane == 0 && p + NB <= start(me + 1))
+                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w + (size_t)p * 512),
+                                 "r"(NB * 1024)
+                                 : "memory");
+            }
 #pragma unroll
             for (int i = 0; i < NB; ++i)
                 if (lc.j + i < lc.j1) {
@@ -418,7 +496,9 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
                 if (cc.j + i < cc.j1) step_mma(d, wa[i], wb[i], cc.j + i, 0);
             cc.j += NB;
             if (cc.j >= cc.j1) {
-                flush(cc.u, d);
+                Piece pc;
+                piece(cc.k, pc);
+                flush(pc, d);
                 d[0] = d[1] = d[2] = d[3] = 0.0f;
                 ++cc.k;
                 enter(cc);
@@ -432,19 +512,19 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             __syncthreads();
         }
 #pragma unroll 1
-        while (cc.u < UNITS) {
+        while (cc.j1) {
             load(wa1, wb1);
             compute(wa0, wb0);
-            if (cc.u >= UNITS) break;
+            if (!cc.j1) break;
             load(wa0, wb0);
             compute(wa1, wb1);
         }
         arrive_all();
     } else {
         wait();
-        float d[MAXU][4];
+        float d[MAXP][4];
 #pragma unroll
-        for (int k = 0; k < MAXU; ++k) d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0.0f;
+        for (int k = 0; k < MAXP; ++k) d[k][0] = d[k][1] = d[k][2] = d[k][3] = 0.0f;
 #pragma unroll 1
         for (int c = 0; c < NCH; ++c) {
             if (c) __syncthreads();
@@ -452,11 +532,11 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             __syncthreads();
             const int c0 = c * KC, cj0 = c0 / 32, cj1 = min(KS, (c0 + KC) / 32);
 #pragma unroll
-            for (int k = 0; k < MAXU; ++k) {
-                const int u = k * kNwt + me;
-                if (u >= UNITS) break;
-                const int j0 = max(slice_lo(u % S), cj0), j1 = min(slice_lo(u % S + 1), cj1);
-                const uint16_t* r = w + (kTiled ? (size_t)(u / S) * 16 * K + 8 * lane : (size_t)((u / S) * 16 + g) * K + 8 * q);
+            for (int k = 0; k < MAXP; ++k) {
+                Piece pc;
+                if (!piece(k, pc)) break;
+                const int j0 = max(pc.j0, cj0), j1 = min(pc.j1, cj1);
+                const uint16_t* r = rows_at(pc.tile);
 #pragma unroll 1
                 for (int j = j0; j < j1; j += NB) {
                     uint4 wa[NB], wb[NB];
@@ -472,9 +552,10 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
                 }
             }
         }
+        Piece pc;
 #pragma unroll
-        for (int k = 0; k < MAXU; ++k)
-            if (k * kNwt + me < UNITS) flush(k * kNwt + me, d[k]);
+        for (int k = 0; k < MAXP; ++k)
+            if (piece(k, pc)) flush(pc, d[k]);
         arrive_all();
     }
 }
@@ -570,10 +651,11 @@ int main() {
     const double bytes = (double)n * 2;
     const float read_us = plain_read_us(w, n * 2);
     printf("%s: %d layers, %.2f GB of weights; plain read %.1f us (%.0f GB/s); slices q/k/v %d, o_proj %d, "
-           "gate/up %d, down %d; NB %d; inputs %s; weights %s; arrivals %s; first loads %s\n",
+           "gate/up %d, down %d; NB %d; inputs %s; weights %s; arrivals %s; first loads %s; split %s; L2 prefetch %d k-steps ahead\n",
            kName, kLayers, bytes / 1e9, read_us, bytes / read_us / 1e3, slices(QKV, H), slices(H, Q),
            slices(2 * I, H), slices(H, I), NB, LAB_SPLIT ? "bf16 hi + lo" : "bf16", kTiled ? "tiled" : "row-major",
-           kDefer ? "deferred to the stream's end" : "per unit", kEarly ? "before the barrier" : "after the copy");
+           kDefer ? "deferred to the stream's end" : "per unit", kEarly ? "before the barrier" : "after the copy",
+           kBalance ? "balanced shares" : "units", kPf);
 
     Bufs b{w, x0, yqkv, yo, ygu, yd, bar, Scratch{part, cnt}};
     std::vector<std::vector<float>> ref(kTMax);
