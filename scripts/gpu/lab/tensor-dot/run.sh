@@ -13,7 +13,8 @@
 # (a phase's first weight loads before the grid barrier and the input
 # copy), balance (equal contiguous shares of k-steps instead of units),
 # pfN (L2 bulk prefetch N k-steps ahead), nbN (N k-steps per register
-# set); td.cu's header says more. TD_VARIANTS replaces the default list;
+# set), skipN (timing only: leave out the arrivals (1), the input copy (2),
+# the grid barriers (4), or a sum of them); td.cu's header says more. TD_VARIANTS replaces the default list;
 # TD_SHAPES (default "0.5b 7b 14b 32b") picks the shapes.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -38,6 +39,7 @@ if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
           split | tiled | defer | early | balance) f+=" -DLAB_${x^^}=1" ;;
           pf*) f+=" -DLAB_PF=${x#pf}" ;;
           nb*) f+=" -DLAB_NB=${x#nb}" ;;
+          skip*) f+=" -DLAB_SKIP=${x#skip}" ;;
           *) echo "unknown variant flag $x"; exit 1 ;;
         esac
       done

@@ -49,7 +49,8 @@
 // -DLAB_BALANCE=1 gives each warp an equal contiguous share of the phase's
 // k-steps in tile order instead of round-robin units (the shares depend on
 // the shape only, so the partials' order does not depend on T);
-// -DLAB_PF=N (with both) asks L2 for the stream N k-steps ahead.
+// -DLAB_PF=N (with both) asks L2 for the stream N k-steps ahead;
+// -DLAB_SKIP=bits leaves parts of each phase out, for timing only.
 // Every token's last-layer outputs of a T-token run are checked bit for
 // bit against its own one-token run (token in column 0). Times are the
 // median of 5 launches against a plain read of the same weights.
@@ -115,6 +116,14 @@ constexpr bool kBalance = LAB_BALANCE;
 // stream in flight without registers; 0: no prefetch. Needs tiled weights
 // and balanced shares (the share is one contiguous range).
 constexpr int kPf = LAB_PF;
+#ifndef LAB_SKIP
+#define LAB_SKIP 0
+#endif
+// Timing only, to price the parts of a phase (outputs wrong, so the bits
+// and the host check fail): bit 0 skips the slice arrivals (fence,
+// counter, the last arrival's sums), bit 1 the input copy, bit 2 the grid
+// barriers between phases.
+constexpr int kSkip = LAB_SKIP;
 static_assert(kPf == 0 || (LAB_TILED && LAB_BALANCE), "the prefetch follows one contiguous stream");
 
 // ---------------------------------------------------------------- helpers
@@ -272,6 +281,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     const unsigned xs_base = (unsigned)__cvta_generic_to_shared(xs);
 
     auto copy_chunk = [&](int c) {
+        if constexpr (kSkip & 2) return;
         const int n = (c + 1 < NCH ? KC : K - c * KC);  // elements, a multiple of 32
         const int n4 = n / 4;
         for (int t = 0; t < T; ++t) {
@@ -406,7 +416,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     // With deferred arrivals: one fence for the warp's stored partials,
     // then each of its pieces' counters.
     auto arrive_all = [&]() {
-        if constexpr (kDefer) {
+        if constexpr (kDefer && !(kSkip & 1)) {
             __threadfence();
             Piece pc;
             for (int k = 0; k < MAXP && piece(k, pc); ++k)
@@ -430,7 +440,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             float* pt = sc.part + (size_t)pc.tile * SLOTS * 128;  // [SLOTS][16][8]
             *reinterpret_cast<float2*>(pt + pc.slot * 128 + g * 8 + t0) = make_float2(d[0], d[1]);
             *reinterpret_cast<float2*>(pt + pc.slot * 128 + (g + 8) * 8 + t0) = make_float2(d[2], d[3]);
-            if constexpr (!kDefer) {
+            if constexpr (!kDefer && !(kSkip & 1)) {
                 __threadfence();
                 arrive(pc);
             }
@@ -574,7 +584,12 @@ __global__ void __launch_bounds__(kThreads, 1) step(Bufs b) {
     uint64_t pol;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
     unsigned gen = 0;
-    auto sync = [&] { grid_sync(b.bar, gen); };
+    auto sync = [&] {
+        if constexpr (kSkip & 4)
+            __syncthreads();
+        else
+            grid_sync(b.bar, gen);
+    };
     for (int l = 0; l < kLayers; ++l) {
         const uint16_t* wl = b.w + (size_t)l * kLayerElems;
         phase<H, QKV, T>(wl + kOffQkv, l ? b.yd : b.x0, H, b.yqkv, QKV, xs, b.sc, pol, [&] {
@@ -651,11 +666,11 @@ int main() {
     const double bytes = (double)n * 2;
     const float read_us = plain_read_us(w, n * 2);
     printf("%s: %d layers, %.2f GB of weights; plain read %.1f us (%.0f GB/s); slices q/k/v %d, o_proj %d, "
-           "gate/up %d, down %d; NB %d; inputs %s; weights %s; arrivals %s; first loads %s; split %s; L2 prefetch %d k-steps ahead\n",
+           "gate/up %d, down %d; NB %d; inputs %s; weights %s; arrivals %s; first loads %s; split %s; L2 prefetch %d k-steps ahead; skipped (timing only) %d\n",
            kName, kLayers, bytes / 1e9, read_us, bytes / read_us / 1e3, slices(QKV, H), slices(H, Q),
            slices(2 * I, H), slices(H, I), NB, LAB_SPLIT ? "bf16 hi + lo" : "bf16", kTiled ? "tiled" : "row-major",
            kDefer ? "deferred to the stream's end" : "per unit", kEarly ? "before the barrier" : "after the copy",
-           kBalance ? "balanced shares" : "units", kPf);
+           kBalance ? "balanced shares" : "units", kPf, kSkip);
 
     Bufs b{w, x0, yqkv, yo, ygu, yd, bar, Scratch{part, cnt}};
     std::vector<std::vector<float>> ref(kTMax);
