@@ -14,7 +14,8 @@
 # copy), balance (equal contiguous shares of k-steps instead of units),
 # pfN (L2 bulk prefetch N k-steps ahead), nbN (N k-steps per register
 # set), skipN (timing only: leave out the arrivals (1), the input copy (2),
-# the grid barriers (4), or a sum of them); td.cu's header says more. TD_VARIANTS replaces the default list;
+# the grid barriers (4), or a sum of them), overlap (deferred arrivals
+# after the next phase's first loads); td.cu's header says more. TD_VARIANTS replaces the default list;
 # TD_SHAPES (default "0.5b 7b 14b 32b") picks the shapes.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -36,7 +37,7 @@ if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
       f=""
       for x in ${v//-/ }; do
         case $x in
-          split | tiled | defer | early | balance) f+=" -DLAB_${x^^}=1" ;;
+          split | tiled | defer | early | balance | overlap) f+=" -DLAB_${x^^}=1" ;;
           pf*) f+=" -DLAB_PF=${x#pf}" ;;
           nb*) f+=" -DLAB_NB=${x#nb}" ;;
           skip*) f+=" -DLAB_SKIP=${x#skip}" ;;

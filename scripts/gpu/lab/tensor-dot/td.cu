@@ -50,7 +50,9 @@
 // k-steps in tile order instead of round-robin units (the shares depend on
 // the shape only, so the partials' order does not depend on T);
 // -DLAB_PF=N (with both) asks L2 for the stream N k-steps ahead;
-// -DLAB_SKIP=bits leaves parts of each phase out, for timing only.
+// -DLAB_SKIP=bits leaves parts of each phase out, for timing only;
+// -DLAB_OVERLAP=1 runs a phase's deferred arrivals after the next phase's
+// first loads are issued.
 // Every token's last-layer outputs of a T-token run are checked bit for
 // bit against its own one-token run (token in column 0). Times are the
 // median of 5 launches against a plain read of the same weights.
@@ -124,6 +126,14 @@ constexpr int kPf = LAB_PF;
 // counter, the last arrival's sums), bit 1 the input copy, bit 2 the grid
 // barriers between phases.
 constexpr int kSkip = LAB_SKIP;
+#ifndef LAB_OVERLAP
+#define LAB_OVERLAP 0
+#endif
+// 1: a phase's deferred arrivals run at the start of the next phase, after
+// its first weight loads are issued and before the grid barrier, so their
+// latency overlaps those loads. Needs deferred arrivals and early loads.
+constexpr bool kOverlap = LAB_OVERLAP;
+static_assert(!kOverlap || (LAB_DEFER && LAB_EARLY), "overlap moves deferred arrivals after early loads");
 static_assert(kPf == 0 || (LAB_TILED && LAB_BALANCE), "the prefetch follows one contiguous stream");
 
 // ---------------------------------------------------------------- helpers
@@ -258,10 +268,12 @@ struct Scratch {
 
 // One weight phase on tensor cores: y[t][r] = W[r, :] . bf16(x[t][:]) for
 // t < T, W [ROWS, K] bf16.
-// `wait` is the grid barrier that ends the previous phase.
-template <int K, int ROWS, int T, class Wait>
+// `wait` is the grid barrier that ends the previous phase; with kOverlap,
+// `prev` runs the previous phase's arrivals just before it. ARRIVALS: run
+// only this phase's deferred arrivals (what `prev` calls).
+template <int K, int ROWS, int T, bool ARRIVALS = false, class Wait, class Prev>
 __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const float* x, int xstride, float* y,
-                                      int ystride, uint16_t* xs, Scratch sc, uint64_t pol, Wait wait) {
+                                      int ystride, uint16_t* xs, Scratch sc, uint64_t pol, Wait wait, Prev prev) {
     static_assert(ROWS % 16 == 0 && K % 32 == 0, "shape");
     constexpr int KS = K / 32;  // k-steps
     constexpr int S = slices(ROWS, K);
@@ -446,6 +458,10 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             }
         }
     };
+    if constexpr (ARRIVALS) {
+        arrive_all();
+        return;
+    }
     auto rows_at = [&](int tile) {
         return w + (kTiled ? (size_t)tile * 16 * K + 8 * lane : (size_t)(tile * 16 + g) * K + 8 * q);
     };
@@ -517,6 +533,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         uint4 wa0[NB], wb0[NB], wa1[NB], wb1[NB];
         load(wa0, wb0);
         if constexpr (kEarly) {
+            if constexpr (kOverlap) prev();
             wait();
             copy_chunk(0);
             __syncthreads();
@@ -529,8 +546,9 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             load(wa0, wb0);
             compute(wa1, wb1);
         }
-        arrive_all();
+        if constexpr (!kOverlap) arrive_all();
     } else {
+        if constexpr (kOverlap) prev();
         wait();
         float d[MAXP][4];
 #pragma unroll
@@ -566,7 +584,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
 #pragma unroll
         for (int k = 0; k < MAXP; ++k)
             if (piece(k, pc)) flush(pc, d[k]);
-        arrive_all();
+        if constexpr (!kOverlap) arrive_all();
     }
 }
 
@@ -590,15 +608,27 @@ __global__ void __launch_bounds__(kThreads, 1) step(Bufs b) {
         else
             grid_sync(b.bar, gen);
     };
+    auto nop = [] {};
+    // The previous phase's arrivals, for kOverlap.
+    auto down_arrivals = [&] { phase<I, H, T, true>(nullptr, nullptr, 0, b.yd, H, xs, b.sc, pol, nop, nop); };
+    auto qkv_arrivals = [&] { phase<H, QKV, T, true>(nullptr, nullptr, 0, b.yqkv, QKV, xs, b.sc, pol, nop, nop); };
+    auto o_arrivals = [&] { phase<Q, H, T, true>(nullptr, nullptr, 0, b.yo, H, xs, b.sc, pol, nop, nop); };
+    auto gu_arrivals = [&] { phase<H, 2 * I, T, true>(nullptr, nullptr, 0, b.ygu, 2 * I, xs, b.sc, pol, nop, nop); };
     for (int l = 0; l < kLayers; ++l) {
         const uint16_t* wl = b.w + (size_t)l * kLayerElems;
-        phase<H, QKV, T>(wl + kOffQkv, l ? b.yd : b.x0, H, b.yqkv, QKV, xs, b.sc, pol, [&] {
-            if (l) sync();
-        });
-        phase<Q, H, T>(wl + kOffO, b.yqkv, QKV, b.yo, H, xs, b.sc, pol, sync);
-        phase<H, 2 * I, T>(wl + kOffGu, b.yo, H, b.ygu, 2 * I, xs, b.sc, pol, sync);
-        phase<I, H, T>(wl + kOffD, b.ygu, 2 * I, b.yd, H, xs, b.sc, pol, sync);
+        phase<H, QKV, T>(
+            wl + kOffQkv, l ? b.yd : b.x0, H, b.yqkv, QKV, xs, b.sc, pol,
+            [&] {
+                if (l) sync();
+            },
+            [&] {
+                if (l) down_arrivals();
+            });
+        phase<Q, H, T>(wl + kOffO, b.yqkv, QKV, b.yo, H, xs, b.sc, pol, sync, qkv_arrivals);
+        phase<H, 2 * I, T>(wl + kOffGu, b.yo, H, b.ygu, 2 * I, xs, b.sc, pol, sync, o_arrivals);
+        phase<I, H, T>(wl + kOffD, b.ygu, 2 * I, b.yd, H, xs, b.sc, pol, sync, gu_arrivals);
     }
+    if constexpr (kOverlap) down_arrivals();
     sync();
 }
 
@@ -666,11 +696,11 @@ int main() {
     const double bytes = (double)n * 2;
     const float read_us = plain_read_us(w, n * 2);
     printf("%s: %d layers, %.2f GB of weights; plain read %.1f us (%.0f GB/s); slices q/k/v %d, o_proj %d, "
-           "gate/up %d, down %d; NB %d; inputs %s; weights %s; arrivals %s; first loads %s; split %s; L2 prefetch %d k-steps ahead; skipped (timing only) %d\n",
+           "gate/up %d, down %d; NB %d; inputs %s; weights %s; arrivals %s; first loads %s; split %s; L2 prefetch %d k-steps ahead; skipped (timing only) %d; deferred arrivals %s\n",
            kName, kLayers, bytes / 1e9, read_us, bytes / read_us / 1e3, slices(QKV, H), slices(H, Q),
            slices(2 * I, H), slices(H, I), NB, LAB_SPLIT ? "bf16 hi + lo" : "bf16", kTiled ? "tiled" : "row-major",
            kDefer ? "deferred to the stream's end" : "per unit", kEarly ? "before the barrier" : "after the copy",
-           kBalance ? "balanced shares" : "units", kPf, kSkip);
+           kBalance ? "balanced shares" : "units", kPf, kSkip, kOverlap ? "at the next phase's start" : "at the phase's end");
 
     Bufs b{w, x0, yqkv, yo, ygu, yd, bar, Scratch{part, cnt}};
     std::vector<std::vector<float>> ref(kTMax);
