@@ -15,7 +15,8 @@
 # pfN (L2 bulk prefetch N k-steps ahead), nbN (N k-steps per register
 # set), skipN (timing only: leave out the arrivals (1), the input copy (2),
 # the grid barriers (4), or a sum of them), overlap (deferred arrivals
-# after the next phase's first loads); td.cu's header says more. TD_VARIANTS replaces the default list;
+# after the next phase's first loads), overlap2 (the same, fenced before
+# those loads); td.cu's header says more. TD_VARIANTS replaces the default list;
 # TD_SHAPES (default "0.5b 7b 14b 32b") picks the shapes.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -41,6 +42,7 @@ if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
           pf*) f+=" -DLAB_PF=${x#pf}" ;;
           nb*) f+=" -DLAB_NB=${x#nb}" ;;
           skip*) f+=" -DLAB_SKIP=${x#skip}" ;;
+          overlap2) f+=" -DLAB_OVERLAP=2" ;;
           *) echo "unknown variant flag $x"; exit 1 ;;
         esac
       done

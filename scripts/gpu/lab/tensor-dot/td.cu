@@ -52,7 +52,7 @@
 // -DLAB_PF=N (with both) asks L2 for the stream N k-steps ahead;
 // -DLAB_SKIP=bits leaves parts of each phase out, for timing only;
 // -DLAB_OVERLAP=1 runs a phase's deferred arrivals after the next phase's
-// first loads are issued.
+// first loads are issued; -DLAB_OVERLAP=2 also fences before those loads.
 // Every token's last-layer outputs of a T-token run are checked bit for
 // bit against its own one-token run (token in column 0). Times are the
 // median of 5 launches against a plain read of the same weights.
@@ -131,8 +131,11 @@ constexpr int kSkip = LAB_SKIP;
 #endif
 // 1: a phase's deferred arrivals run at the start of the next phase, after
 // its first weight loads are issued and before the grid barrier, so their
-// latency overlaps those loads. Needs deferred arrivals and early loads.
-constexpr bool kOverlap = LAB_OVERLAP;
+// latency overlaps those loads. 2: the same, with the release fence at the
+// end of the phase's stream (a fence waits for the loads in flight) and
+// acquire atomics after the loads. Needs deferred arrivals and early
+// loads.
+constexpr int kOverlap = LAB_OVERLAP;
 static_assert(!kOverlap || (LAB_DEFER && LAB_EARLY), "overlap moves deferred arrivals after early loads");
 static_assert(kPf == 0 || (LAB_TILED && LAB_BALANCE), "the prefetch follows one contiguous stream");
 
@@ -398,11 +401,17 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         float* pt = sc.part + (size_t)tile * SLOTS * 128;  // [SLOTS][16][8]
         __syncwarp();
         unsigned old = 0;
-        if (lane == 0) old = atomicAdd(sc.cnt + tile, 1u);
+        if (lane == 0) {
+            if constexpr (kOverlap == 2)
+                asm volatile("atom.acquire.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(sc.cnt + tile) : "memory");
+            else
+                old = atomicAdd(sc.cnt + tile, 1u);
+        }
         old = __shfl_sync(0xffffffffu, old, 0);
         const int count = kBalance ? pc.count : S;
         if (old == (unsigned)count - 1u) {
-            __threadfence();
+            // With kOverlap 2 the atomic's acquire orders the loads below.
+            if constexpr (kOverlap != 2) __threadfence();
             float2 a = __ldcg(reinterpret_cast<const float2*>(pt + g * 8 + t0));
             float2 b = __ldcg(reinterpret_cast<const float2*>(pt + (g + 8) * 8 + t0));
 #pragma unroll 1
@@ -429,7 +438,8 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     // then each of its pieces' counters.
     auto arrive_all = [&]() {
         if constexpr (kDefer && !(kSkip & 1)) {
-            __threadfence();
+            // With kOverlap 2 the fence ran at the end of the phase's stream.
+            if constexpr (kOverlap != 2) __threadfence();
             Piece pc;
             for (int k = 0; k < MAXP && piece(k, pc); ++k)
                 if (kBalance ? pc.count > 1 : S > 1) arrive(pc);
@@ -547,6 +557,8 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             compute(wa1, wb1);
         }
         if constexpr (!kOverlap) arrive_all();
+        // The release half of the arrivals, while no load is in flight.
+        if constexpr (kOverlap == 2 && !(kSkip & 1)) __threadfence();
     } else {
         if constexpr (kOverlap) prev();
         wait();
@@ -585,6 +597,8 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         for (int k = 0; k < MAXP; ++k)
             if (piece(k, pc)) flush(pc, d[k]);
         if constexpr (!kOverlap) arrive_all();
+        // The release half of the arrivals, while no load is in flight.
+        if constexpr (kOverlap == 2 && !(kSkip & 1)) __threadfence();
     }
 }
 
@@ -700,7 +714,7 @@ int main() {
            kName, kLayers, bytes / 1e9, read_us, bytes / read_us / 1e3, slices(QKV, H), slices(H, Q),
            slices(2 * I, H), slices(H, I), NB, LAB_SPLIT ? "bf16 hi + lo" : "bf16", kTiled ? "tiled" : "row-major",
            kDefer ? "deferred to the stream's end" : "per unit", kEarly ? "before the barrier" : "after the copy",
-           kBalance ? "balanced shares" : "units", kPf, kSkip, kOverlap ? "at the next phase's start" : "at the phase's end");
+           kBalance ? "balanced shares" : "units", kPf, kSkip, kOverlap == 2 ? "at the next phase's start, fenced at the end" : kOverlap ? "at the next phase's start" : "at the phase's end");
 
     Bufs b{w, x0, yqkv, yo, ygu, yd, bar, Scratch{part, cnt}};
     std::vector<std::vector<float>> ref(kTMax);
