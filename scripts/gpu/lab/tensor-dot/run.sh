@@ -16,7 +16,8 @@
 # set), skipN (timing only: leave out the arrivals (1), the input copy (2),
 # the grid barriers (4), or a sum of them), overlap (deferred arrivals
 # after the next phase's first loads), overlap2 (the same, fenced before
-# those loads); td.cu's header says more. TD_VARIANTS replaces the default list;
+# those loads), local (a tile's slices added in shared memory where its
+# contributors share a CTA); td.cu's header says more. TD_VARIANTS replaces the default list;
 # TD_SHAPES (default "0.5b 7b 14b 32b") picks the shapes.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -38,7 +39,7 @@ if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
       f=""
       for x in ${v//-/ }; do
         case $x in
-          split | tiled | defer | early | balance | overlap) f+=" -DLAB_${x^^}=1" ;;
+          split | tiled | defer | early | balance | overlap | local) f+=" -DLAB_${x^^}=1" ;;
           pf*) f+=" -DLAB_PF=${x#pf}" ;;
           nb*) f+=" -DLAB_NB=${x#nb}" ;;
           skip*) f+=" -DLAB_SKIP=${x#skip}" ;;

@@ -52,7 +52,9 @@
 // -DLAB_PF=N (with both) asks L2 for the stream N k-steps ahead;
 // -DLAB_SKIP=bits leaves parts of each phase out, for timing only;
 // -DLAB_OVERLAP=1 runs a phase's deferred arrivals after the next phase's
-// first loads are issued; -DLAB_OVERLAP=2 also fences before those loads.
+// first loads are issued; -DLAB_OVERLAP=2 also fences before those loads;
+// -DLAB_LOCAL=1 adds the slices of a tile inside one CTA through shared
+// memory.
 // Every token's last-layer outputs of a T-token run are checked bit for
 // bit against its own one-token run (token in column 0). Times are the
 // median of 5 launches against a plain read of the same weights.
@@ -66,7 +68,18 @@
 #include <cmath>
 
 constexpr int kWarps = 16, kThreads = kWarps * 32, kNwt = kGrid * kWarps;
-constexpr int kSmemBytes = 200 * 1024;  // T inputs per CTA
+#ifndef LAB_LOCAL
+#define LAB_LOCAL 0
+#endif
+// 1: a tile whose contributors are all in one CTA adds their partials
+// through shared memory after a block barrier at the phase's end; only the
+// tiles at a CTA's edges go through global memory, at once, and the last
+// warp of a CTA takes its edge piece first. Needs balanced shares and
+// per-unit arrivals.
+constexpr bool kLocal = LAB_LOCAL;
+constexpr int kInputBytes = (kLocal ? 190 : 200) * 1024;  // T inputs per CTA
+constexpr int kPartBytes = kLocal ? 36 * 1024 : 0;        // local partials per CTA
+constexpr int kSmemBytes = kInputBytes + kPartBytes;
 #ifndef LAB_NB
 #define LAB_NB 4
 #endif
@@ -137,6 +150,7 @@ constexpr int kSkip = LAB_SKIP;
 // loads.
 constexpr int kOverlap = LAB_OVERLAP;
 static_assert(!kOverlap || (LAB_DEFER && LAB_EARLY), "overlap moves deferred arrivals after early loads");
+static_assert(!kLocal || (LAB_BALANCE && !LAB_DEFER), "local sums need balanced shares and per-unit arrivals");
 static_assert(kPf == 0 || (LAB_TILED && LAB_BALANCE), "the prefetch follows one contiguous stream");
 
 // ---------------------------------------------------------------- helpers
@@ -284,11 +298,11 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     constexpr int MAXU = (UNITS + kNwt - 1) / kNwt;
     // Inputs per chunk (a multiple of 32) and the token pitch (elements,
     // = 32 mod 64: 64 bytes off a multiple of 128).
-    constexpr int KC0 = (kSmemBytes / 2 / kPlanes / T - 32) / 64 * 64;
+    constexpr int KC0 = (kInputBytes / 2 / kPlanes / T - 32) / 64 * 64;
     constexpr int KC = K < KC0 ? K : KC0;
     constexpr int NCH = (K + KC - 1) / KC;
     constexpr int P = KC % 64 == 0 ? KC + 32 : KC;
-    static_assert(P * T * 2 * kPlanes <= kSmemBytes, "inputs fit");
+    static_assert(P * T * 2 * kPlanes <= kInputBytes, "inputs fit");
     // Elements from one k-step's load to the next, and from rows g to g + 8.
     constexpr size_t JSTRIDE = kTiled ? 512 : 32, HOFF = kTiled ? 256 : (size_t)8 * K;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
@@ -360,12 +374,23 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     auto start = [](int wi) { return wi * W / kNwt; };
     // The warp whose share holds k-step p.
     auto owner = [](int p) { return ((p + 1) * kNwt + W - 1) / W - 1; };
+    // kLocal: a CTA's share, k-steps at most; the tiles it touches; its
+    // first tile; whether a tile's contributors span CTAs; the partials.
+    constexpr int CSH = (kWarps * W + kNwt - 1) / kNwt;
+    constexpr int MAXLT = (CSH + KS - 1) / KS + 1;
+    static_assert(!kLocal || MAXLT * SLOTS * 128 * 4 <= kPartBytes, "local partials fit");
+    // Recomputed where used (rarely), to keep registers for the stream.
+    auto cta_tile = [&] { return kBalance ? start(blockIdx.x * kWarps) / KS : 0; };
+    auto lpart = [&] { return reinterpret_cast<float*>(reinterpret_cast<char*>(xs) + kInputBytes); };
     // A piece: k-steps [j0, j1) of one tile, the warp's slot among the
     // tile's contributors and their count. Units: piece k is unit
     // k kNwt + me (slice s of S). Balanced: the k-th tile the warp's share
     // touches, cut to the share. Neither depends on T.
     struct Piece {
         int tile, j0, j1, slot, count;
+    };
+    auto cross = [&](const Piece& pc) {
+        return owner(pc.tile * KS) / kWarps != owner(pc.tile * KS + KS - 1) / kWarps;
     };
     auto piece = [&](int k, Piece& pc) -> bool {
         if constexpr (!kBalance) {
@@ -379,6 +404,13 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             return true;
         } else {
             const int b0 = start(me), e0 = start(me + 1);
+            if constexpr (kLocal) {
+                // The last warp of a CTA takes its last piece (the CTA's
+                // edge tile) first.
+                const int np = (e0 - 1) / KS - b0 / KS + 1;
+                if (k >= np) return false;
+                if (warp == kWarps - 1 && np > 1) k = k == 0 ? np - 1 : k - 1;
+            }
             const int t = b0 / KS + k;
             const int p0 = max(b0, t * KS);
             if (p0 >= e0) return false;
@@ -449,7 +481,11 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     // 2q, 2q + 1.
     auto flush = [&](const Piece& pc, const float (&d)[4]) {
         const int r0 = pc.tile * 16 + g, t0 = 2 * q;
-        if (kBalance ? pc.count == 1 : S == 1) {
+        if (kLocal && pc.count > 1 && !cross(pc)) {
+            float* pt = lpart() + ((pc.tile - cta_tile()) * SLOTS + pc.slot) * 128;  // [16][8]
+            *reinterpret_cast<float2*>(pt + g * 8 + t0) = make_float2(d[0], d[1]);
+            *reinterpret_cast<float2*>(pt + (g + 8) * 8 + t0) = make_float2(d[2], d[3]);
+        } else if (kBalance ? pc.count == 1 : S == 1) {
             if (t0 < T) {
                 y[(size_t)t0 * ystride + r0] = d[0];
                 y[(size_t)t0 * ystride + r0 + 8] = d[2];
@@ -465,6 +501,38 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             if constexpr (!kDefer && !(kSkip & 1)) {
                 __threadfence();
                 arrive(pc);
+            }
+        }
+    };
+    // With kLocal, at the phase's end: the last contributor of each tile
+    // inside the CTA adds the tile's partials in slot order.
+    auto local_sums = [&]() {
+        if constexpr (kLocal) {
+            __syncthreads();
+            Piece pc;
+            const int t0 = 2 * q;
+            for (int k = 0; k < MAXP && piece(k, pc); ++k) {
+                if (pc.count == 1 || cross(pc) || pc.slot != pc.count - 1) continue;
+                const float* pt = lpart() + (pc.tile - cta_tile()) * SLOTS * 128;  // [SLOTS][16][8]
+                float2 a = *reinterpret_cast<const float2*>(pt + g * 8 + t0);
+                float2 b = *reinterpret_cast<const float2*>(pt + (g + 8) * 8 + t0);
+                for (int i = 1; i < pc.count; ++i) {
+                    const float2 a1 = *reinterpret_cast<const float2*>(pt + i * 128 + g * 8 + t0);
+                    const float2 b1 = *reinterpret_cast<const float2*>(pt + i * 128 + (g + 8) * 8 + t0);
+                    a.x += a1.x;
+                    a.y += a1.y;
+                    b.x += b1.x;
+                    b.y += b1.y;
+                }
+                const int r0 = pc.tile * 16 + g;
+                if (t0 < T) {
+                    y[(size_t)t0 * ystride + r0] = a.x;
+                    y[(size_t)t0 * ystride + r0 + 8] = b.x;
+                }
+                if (t0 + 1 < T) {
+                    y[(size_t)(t0 + 1) * ystride + r0] = a.y;
+                    y[(size_t)(t0 + 1) * ystride + r0 + 8] = b.y;
+                }
             }
         }
     };
@@ -557,6 +625,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             compute(wa1, wb1);
         }
         if constexpr (!kOverlap) arrive_all();
+        local_sums();
         // The release half of the arrivals, while no load is in flight.
         if constexpr (kOverlap == 2 && !(kSkip & 1)) __threadfence();
     } else {
@@ -597,6 +666,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         for (int k = 0; k < MAXP; ++k)
             if (piece(k, pc)) flush(pc, d[k]);
         if constexpr (!kOverlap) arrive_all();
+        local_sums();
         // The release half of the arrivals, while no load is in flight.
         if constexpr (kOverlap == 2 && !(kSkip & 1)) __threadfence();
     }
@@ -710,11 +780,12 @@ int main() {
     const double bytes = (double)n * 2;
     const float read_us = plain_read_us(w, n * 2);
     printf("%s: %d layers, %.2f GB of weights; plain read %.1f us (%.0f GB/s); slices q/k/v %d, o_proj %d, "
-           "gate/up %d, down %d; NB %d; inputs %s; weights %s; arrivals %s; first loads %s; split %s; L2 prefetch %d k-steps ahead; skipped (timing only) %d; deferred arrivals %s\n",
+           "gate/up %d, down %d; NB %d; inputs %s; weights %s; arrivals %s; first loads %s; split %s; L2 prefetch %d k-steps ahead; skipped (timing only) %d; deferred arrivals %s; slice sums through %s\n",
            kName, kLayers, bytes / 1e9, read_us, bytes / read_us / 1e3, slices(QKV, H), slices(H, Q),
            slices(2 * I, H), slices(H, I), NB, LAB_SPLIT ? "bf16 hi + lo" : "bf16", kTiled ? "tiled" : "row-major",
            kDefer ? "deferred to the stream's end" : "per unit", kEarly ? "before the barrier" : "after the copy",
-           kBalance ? "balanced shares" : "units", kPf, kSkip, kOverlap == 2 ? "at the next phase's start, fenced at the end" : kOverlap ? "at the next phase's start" : "at the phase's end");
+           kBalance ? "balanced shares" : "units", kPf, kSkip, kOverlap == 2 ? "at the next phase's start, fenced at the end" : kOverlap ? "at the next phase's start" : "at the phase's end",
+           kLocal ? "shared memory inside a CTA" : "global memory");
 
     Bufs b{w, x0, yqkv, yo, ygu, yd, bar, Scratch{part, cnt}};
     std::vector<std::vector<float>> ref(kTMax);
