@@ -17,7 +17,9 @@
 # the grid barriers (4), or a sum of them), overlap (deferred arrivals
 # after the next phase's first loads), overlap2 (the same, fenced before
 # those loads), local (a tile's slices added in shared memory where its
-# contributors share a CTA); td.cu's header says more. TD_VARIANTS replaces the default list;
+# contributors share a CTA), local2 (the same, with the CTA's edge tiles
+# split among all its warps as their first pieces); td.cu's header says
+# more. TD_VARIANTS replaces the default list;
 # TD_SHAPES (default "0.5b 7b 14b 32b") picks the shapes.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -25,8 +27,8 @@ BIN=${TD_BIN_DIR:-/tmp/td-lab}
 OUT=${OUT:-/tmp}
 mkdir -p "$BIN"
 shapes=(0.5b 7b 14b 32b)
-variants=${TD_VARIANTS:-"split split-tiled split-defer split-tiled-defer split-tiled-defer-early tiled-defer-early
-  split-tiled-defer-early-balance split-tiled-defer-early-balance-pf16"}
+variants=${TD_VARIANTS:-"split split-tiled split-tiled-early-balance split-tiled-early-balance-local
+  split-tiled-early-balance-local2 tiled-early-balance-local2"}
 if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
   for i in "${!shapes[@]}"; do
     [[ " ${TD_SHAPES:-${shapes[*]}} " == *" ${shapes[$i]} "* ]] || continue
@@ -44,6 +46,7 @@ if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
           nb*) f+=" -DLAB_NB=${x#nb}" ;;
           skip*) f+=" -DLAB_SKIP=${x#skip}" ;;
           overlap2) f+=" -DLAB_OVERLAP=2" ;;
+          local2) f+=" -DLAB_LOCAL=2" ;;
           *) echo "unknown variant flag $x"; exit 1 ;;
         esac
       done

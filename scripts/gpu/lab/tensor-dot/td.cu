@@ -74,9 +74,12 @@ constexpr int kWarps = 16, kThreads = kWarps * 32, kNwt = kGrid * kWarps;
 // 1: a tile whose contributors are all in one CTA adds their partials
 // through shared memory after a block barrier at the phase's end; only the
 // tiles at a CTA's edges go through global memory, at once, and the last
-// warp of a CTA takes its edge piece first. Needs balanced shares and
-// per-unit arrivals.
-constexpr bool kLocal = LAB_LOCAL;
+// warp of a CTA takes its edge piece first. 2: each CTA splits the k-steps
+// of its two edge tiles evenly among its 16 warps as their first pieces,
+// then the rest of its share; an edge tile's sum has 32 fixed slots (the
+// 16 warps of each of its two CTAs, zeros where a warp has none of it).
+// Needs balanced shares and per-unit arrivals.
+constexpr int kLocal = LAB_LOCAL;
 constexpr int kInputBytes = (kLocal ? 190 : 200) * 1024;  // T inputs per CTA
 constexpr int kPartBytes = kLocal ? 36 * 1024 : 0;        // local partials per CTA
 constexpr int kSmemBytes = kInputBytes + kPartBytes;
@@ -368,7 +371,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     static_assert(!kBalance || W >= kNwt, "every warp gets a k-step");
     static_assert((long long)(W + 1) * kNwt < (1ll << 31), "32-bit share arithmetic");
     // Pieces per warp, and contributors (slots) per tile, at most.
-    constexpr int MAXP = kBalance ? (int)(((W + kNwt - 1) / kNwt + KS - 1) / KS + 1) : MAXU;
+    constexpr int MAXP = kBalance ? (int)(((W + kNwt - 1) / kNwt + KS - 1) / KS + 1) + (kLocal == 2 ? 2 : 0) : MAXU;
     constexpr int SLOTS = kBalance ? (int)((KS - 1) / (W / kNwt) + 2) : S;
     static_assert(SLOTS <= 64, "the partial buffer holds 64 slots a tile");
     auto start = [](int wi) { return wi * W / kNwt; };
@@ -378,7 +381,16 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     // first tile; whether a tile's contributors span CTAs; the partials.
     constexpr int CSH = (kWarps * W + kNwt - 1) / kNwt;
     constexpr int MAXLT = (CSH + KS - 1) / KS + 1;
-    static_assert(!kLocal || MAXLT * SLOTS * 128 * 4 <= kPartBytes, "local partials fit");
+    static_assert(kLocal != 1 || MAXLT * SLOTS * 128 * 4 <= kPartBytes, "local partials fit");
+    // kLocal 2: the fewest local k-steps a CTA has after its edge tiles,
+    // the local contributors a tile can have, global slots per tile.
+    constexpr int CMIN = (kWarps * W) / kNwt - 1;
+    constexpr int LMIN = CMIN - 2 * KS;
+    constexpr int LSLOTS0 = LMIN >= kWarps ? (KS - 1) / (LMIN / kWarps) + 2 : kWarps;
+    constexpr int LSLOTS = LSLOTS0 < kWarps ? LSLOTS0 : kWarps;
+    constexpr int GSLOTS = kLocal == 2 ? 2 * kWarps : SLOTS;
+    static_assert(kLocal != 2 || KS < CMIN, "a tile spans at most two CTAs");
+    static_assert(kLocal != 2 || MAXLT * LSLOTS * 128 * 4 <= kPartBytes, "local partials fit");
     // Recomputed where used (rarely), to keep registers for the stream.
     auto cta_tile = [&] { return kBalance ? start(blockIdx.x * kWarps) / KS : 0; };
     auto lpart = [&] { return reinterpret_cast<float*>(reinterpret_cast<char*>(xs) + kInputBytes); };
@@ -392,6 +404,26 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     auto cross = [&](const Piece& pc) {
         return owner(pc.tile * KS) / kWarps != owner(pc.tile * KS + KS - 1) / kWarps;
     };
+    // kLocal 2: the CTA's range [A, B), its first and last tiles, the
+    // k-steps of each that are edge k-steps (x1 at the front, x2 at the
+    // back, zero where the tile is the CTA's own), and the local range.
+    struct Cta {
+        int A, B, ft, lt, x1, x2, E, L0, L;
+    };
+    auto cta = [&]() {
+        Cta c;
+        c.A = start(blockIdx.x * kWarps);
+        c.B = start((blockIdx.x + 1) * kWarps);
+        c.ft = c.A / KS;
+        c.lt = (c.B - 1) / KS;
+        auto spans = [&](int t) { return owner(t * KS) / kWarps != owner(t * KS + KS - 1) / kWarps; };
+        c.x1 = spans(c.ft) ? min(c.B, (c.ft + 1) * KS) - c.A : 0;
+        c.x2 = c.lt != c.ft && spans(c.lt) ? c.B - c.lt * KS : 0;
+        c.E = c.x1 + c.x2;
+        c.L0 = c.A + c.x1;
+        c.L = c.B - c.x2 - c.L0;
+        return c;
+    };
     auto piece = [&](int k, Piece& pc) -> bool {
         if constexpr (!kBalance) {
             const int u = k * kNwt + me;
@@ -402,9 +434,46 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             pc.j1 = slice_lo(pc.slot + 1);
             pc.count = S;
             return true;
+        } else if constexpr (kLocal == 2) {
+            const Cta c = cta();
+            const int es = warp * c.E / kWarps, ee = (warp + 1) * c.E / kWarps;
+            const int ne = (es < min(ee, c.x1) ? 1 : 0) + (max(es, c.x1) < ee ? 1 : 0);
+            if (k < ne) {
+                int p0, p1;
+                if (k == 0 && es < c.x1) {
+                    pc.tile = c.ft;
+                    p0 = c.A + es;
+                    p1 = c.A + min(ee, c.x1);
+                    pc.slot = kWarps + warp;  // the upper CTA of its edge tile
+                } else {
+                    pc.tile = c.lt;
+                    p0 = c.lt * KS + max(es, c.x1) - c.x1;
+                    p1 = c.lt * KS + ee - c.x1;
+                    pc.slot = warp;  // the lower CTA
+                }
+                pc.j0 = p0 - pc.tile * KS;
+                pc.j1 = p1 - pc.tile * KS;
+                pc.count = 2 * kWarps;
+                return true;
+            }
+            // The local part: [ls, le) of [L0, L0 + L).
+            const int ls = c.L0 + warp * c.L / kWarps, le = c.L0 + (warp + 1) * c.L / kWarps;
+            if (ls >= le) return false;
+            const int t = ls / KS + (k - ne);
+            const int p0 = max(ls, t * KS);
+            if (p0 >= le) return false;
+            const int p1 = min(le, (t + 1) * KS);
+            pc.tile = t;
+            pc.j0 = p0 - t * KS;
+            pc.j1 = p1 - t * KS;
+            auto wl = [&](int p) { return ((p - c.L0 + 1) * kWarps + c.L - 1) / c.L - 1; };
+            const int first = wl(max(c.L0, t * KS)), last = wl(min(c.L0 + c.L, (t + 1) * KS) - 1);
+            pc.slot = warp - first;
+            pc.count = last - first + 1;
+            return true;
         } else {
             const int b0 = start(me), e0 = start(me + 1);
-            if constexpr (kLocal) {
+            if constexpr (kLocal == 1) {
                 // The last warp of a CTA takes its last piece (the CTA's
                 // edge tile) first.
                 const int np = (e0 - 1) / KS - b0 / KS + 1;
@@ -430,7 +499,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     auto arrive = [&](const Piece& pc) {
         const int tile = pc.tile;
         const int r0 = tile * 16 + g, t0 = 2 * q;
-        float* pt = sc.part + (size_t)tile * SLOTS * 128;  // [SLOTS][16][8]
+        float* pt = sc.part + (size_t)tile * GSLOTS * 128;  // [GSLOTS][16][8]
         __syncwarp();
         unsigned old = 0;
         if (lane == 0) {
@@ -481,8 +550,14 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     // 2q, 2q + 1.
     auto flush = [&](const Piece& pc, const float (&d)[4]) {
         const int r0 = pc.tile * 16 + g, t0 = 2 * q;
-        if (kLocal && pc.count > 1 && !cross(pc)) {
-            float* pt = lpart() + ((pc.tile - cta_tile()) * SLOTS + pc.slot) * 128;  // [16][8]
+        if (kLocal == 2 && pc.count == 2 * kWarps) {
+            // An edge piece: its partial now, the arrival in edge_arrivals.
+            float* pt = sc.part + ((size_t)pc.tile * GSLOTS + pc.slot) * 128;  // [16][8]
+            *reinterpret_cast<float2*>(pt + g * 8 + t0) = make_float2(d[0], d[1]);
+            *reinterpret_cast<float2*>(pt + (g + 8) * 8 + t0) = make_float2(d[2], d[3]);
+        } else if (kLocal && pc.count > 1 && (kLocal == 2 || !cross(pc))) {
+            const int stride = kLocal == 2 ? LSLOTS : SLOTS;
+            float* pt = lpart() + ((pc.tile - cta_tile()) * stride + pc.slot) * 128;  // [16][8]
             *reinterpret_cast<float2*>(pt + g * 8 + t0) = make_float2(d[0], d[1]);
             *reinterpret_cast<float2*>(pt + (g + 8) * 8 + t0) = make_float2(d[2], d[3]);
         } else if (kBalance ? pc.count == 1 : S == 1) {
@@ -504,6 +579,36 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             }
         }
     };
+    // kLocal 2, once a warp's edge pieces are stored: zeros in its slots of
+    // the edge tiles it has no k-steps of, one fence, then every edge
+    // tile's counter (each has 32 contributors).
+    auto edge_arrivals = [&]() {
+        if constexpr (kLocal == 2) {
+            const Cta c = cta();
+            const int es = warp * c.E / kWarps, ee = (warp + 1) * c.E / kWarps;
+            const bool has1 = es < min(ee, c.x1), has2 = max(es, c.x1) < ee;
+            const int t0 = 2 * q;
+            auto zero = [&](int tile, int slot) {
+                float* pt = sc.part + ((size_t)tile * GSLOTS + slot) * 128;
+                *reinterpret_cast<float2*>(pt + g * 8 + t0) = make_float2(0.0f, 0.0f);
+                *reinterpret_cast<float2*>(pt + (g + 8) * 8 + t0) = make_float2(0.0f, 0.0f);
+            };
+            if (c.x1 && !has1) zero(c.ft, kWarps + warp);
+            if (c.x2 && !has2) zero(c.lt, warp);
+            if (!c.x1 && !c.x2) return;
+            __threadfence();
+            Piece pc;
+            pc.count = 2 * kWarps;
+            if (c.x1) {
+                pc.tile = c.ft;
+                arrive(pc);
+            }
+            if (c.x2) {
+                pc.tile = c.lt;
+                arrive(pc);
+            }
+        }
+    };
     // With kLocal, at the phase's end: the last contributor of each tile
     // inside the CTA adds the tile's partials in slot order.
     auto local_sums = [&]() {
@@ -512,8 +617,11 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             Piece pc;
             const int t0 = 2 * q;
             for (int k = 0; k < MAXP && piece(k, pc); ++k) {
-                if (pc.count == 1 || cross(pc) || pc.slot != pc.count - 1) continue;
-                const float* pt = lpart() + (pc.tile - cta_tile()) * SLOTS * 128;  // [SLOTS][16][8]
+                if (pc.count == 1 || pc.count == 2 * kWarps || (kLocal == 1 && cross(pc)) ||
+                    pc.slot != pc.count - 1)
+                    continue;
+                const int stride = kLocal == 2 ? LSLOTS : SLOTS;
+                const float* pt = lpart() + (pc.tile - cta_tile()) * stride * 128;  // [stride][16][8]
                 float2 a = *reinterpret_cast<const float2*>(pt + g * 8 + t0);
                 float2 b = *reinterpret_cast<const float2*>(pt + (g + 8) * 8 + t0);
                 for (int i = 1; i < pc.count; ++i) {
@@ -603,6 +711,10 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
                 Piece pc;
                 piece(cc.k, pc);
                 flush(pc, d);
+                if (kLocal == 2 && pc.count == 2 * kWarps) {
+                    Piece nx;
+                    if (!piece(cc.k + 1, nx) || nx.count != 2 * kWarps) edge_arrivals();
+                }
                 d[0] = d[1] = d[2] = d[3] = 0.0f;
                 ++cc.k;
                 enter(cc);
@@ -615,6 +727,10 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             wait();
             copy_chunk(0);
             __syncthreads();
+        }
+        if constexpr (kLocal == 2) {
+            Piece p0;
+            if (!piece(0, p0) || p0.count != 2 * kWarps) edge_arrivals();
         }
 #pragma unroll 1
         while (cc.j1) {
@@ -666,6 +782,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         for (int k = 0; k < MAXP; ++k)
             if (piece(k, pc)) flush(pc, d[k]);
         if constexpr (!kOverlap) arrive_all();
+        edge_arrivals();
         local_sums();
         // The release half of the arrivals, while no load is in flight.
         if constexpr (kOverlap == 2 && !(kSkip & 1)) __threadfence();
@@ -785,7 +902,7 @@ int main() {
            slices(2 * I, H), slices(H, I), NB, LAB_SPLIT ? "bf16 hi + lo" : "bf16", kTiled ? "tiled" : "row-major",
            kDefer ? "deferred to the stream's end" : "per unit", kEarly ? "before the barrier" : "after the copy",
            kBalance ? "balanced shares" : "units", kPf, kSkip, kOverlap == 2 ? "at the next phase's start, fenced at the end" : kOverlap ? "at the next phase's start" : "at the phase's end",
-           kLocal ? "shared memory inside a CTA" : "global memory");
+           kLocal == 2 ? "shared memory inside a CTA, edge tiles first" : kLocal ? "shared memory inside a CTA" : "global memory");
 
     Bufs b{w, x0, yqkv, yo, ygu, yd, bar, Scratch{part, cnt}};
     std::vector<std::vector<float>> ref(kTMax);
