@@ -493,12 +493,29 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             return true;
         }
     };
+    // Lane (g, q)'s sums of a tile: a = row g, b = row g + 8, each for
+    // tokens 2q and 2q + 1. `out` writes them to y, `put` to a partial
+    // slot [16][8].
+    auto out = [&](int tile, float2 a, float2 b) {
+        const int r0 = tile * 16 + g, t0 = 2 * q;
+        if (t0 < T) {
+            y[(size_t)t0 * ystride + r0] = a.x;
+            y[(size_t)t0 * ystride + r0 + 8] = b.x;
+        }
+        if (t0 + 1 < T) {
+            y[(size_t)(t0 + 1) * ystride + r0] = a.y;
+            y[(size_t)(t0 + 1) * ystride + r0 + 8] = b.y;
+        }
+    };
+    auto put = [&](float* pt, float2 a, float2 b) {
+        *reinterpret_cast<float2*>(pt + g * 8 + 2 * q) = a;
+        *reinterpret_cast<float2*>(pt + (g + 8) * 8 + 2 * q) = b;
+    };
     // The counter of a piece's tile, after its partial is stored and
     // fenced: the last of the tile's contributors to arrive adds the
     // partials in slot order and writes the outputs.
     auto arrive = [&](const Piece& pc) {
-        const int tile = pc.tile;
-        const int r0 = tile * 16 + g, t0 = 2 * q;
+        const int tile = pc.tile, t0 = 2 * q;
         float* pt = sc.part + (size_t)tile * GSLOTS * 128;  // [GSLOTS][16][8]
         __syncwarp();
         unsigned old = 0;
@@ -524,14 +541,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
                 b.x += b1.x;
                 b.y += b1.y;
             }
-            if (t0 < T) {
-                y[(size_t)t0 * ystride + r0] = a.x;
-                y[(size_t)t0 * ystride + r0 + 8] = b.x;
-            }
-            if (t0 + 1 < T) {
-                y[(size_t)(t0 + 1) * ystride + r0] = a.y;
-                y[(size_t)(t0 + 1) * ystride + r0 + 8] = b.y;
-            }
+            out(tile, a, b);
             if (lane == 0) sc.cnt[tile] = 0u;
         }
     };
@@ -549,30 +559,17 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     // A piece's sums: lane (g, q) holds rows g, g + 8 of the tile, tokens
     // 2q, 2q + 1.
     auto flush = [&](const Piece& pc, const float (&d)[4]) {
-        const int r0 = pc.tile * 16 + g, t0 = 2 * q;
+        const float2 a = make_float2(d[0], d[1]), b = make_float2(d[2], d[3]);
         if (kLocal == 2 && pc.count == 2 * kWarps) {
             // An edge piece: its partial now, the arrival in edge_arrivals.
-            float* pt = sc.part + ((size_t)pc.tile * GSLOTS + pc.slot) * 128;  // [16][8]
-            *reinterpret_cast<float2*>(pt + g * 8 + t0) = make_float2(d[0], d[1]);
-            *reinterpret_cast<float2*>(pt + (g + 8) * 8 + t0) = make_float2(d[2], d[3]);
+            put(sc.part + ((size_t)pc.tile * GSLOTS + pc.slot) * 128, a, b);
         } else if (kLocal && pc.count > 1 && (kLocal == 2 || !cross(pc))) {
             const int stride = kLocal == 2 ? LSLOTS : SLOTS;
-            float* pt = lpart() + ((pc.tile - cta_tile()) * stride + pc.slot) * 128;  // [16][8]
-            *reinterpret_cast<float2*>(pt + g * 8 + t0) = make_float2(d[0], d[1]);
-            *reinterpret_cast<float2*>(pt + (g + 8) * 8 + t0) = make_float2(d[2], d[3]);
+            put(lpart() + ((pc.tile - cta_tile()) * stride + pc.slot) * 128, a, b);
         } else if (kBalance ? pc.count == 1 : S == 1) {
-            if (t0 < T) {
-                y[(size_t)t0 * ystride + r0] = d[0];
-                y[(size_t)t0 * ystride + r0 + 8] = d[2];
-            }
-            if (t0 + 1 < T) {
-                y[(size_t)(t0 + 1) * ystride + r0] = d[1];
-                y[(size_t)(t0 + 1) * ystride + r0 + 8] = d[3];
-            }
+            out(pc.tile, a, b);
         } else {
-            float* pt = sc.part + (size_t)pc.tile * SLOTS * 128;  // [SLOTS][16][8]
-            *reinterpret_cast<float2*>(pt + pc.slot * 128 + g * 8 + t0) = make_float2(d[0], d[1]);
-            *reinterpret_cast<float2*>(pt + pc.slot * 128 + (g + 8) * 8 + t0) = make_float2(d[2], d[3]);
+            put(sc.part + ((size_t)pc.tile * GSLOTS + pc.slot) * 128, a, b);
             if constexpr (!kDefer && !(kSkip & 1)) {
                 __threadfence();
                 arrive(pc);
@@ -587,11 +584,8 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             const Cta c = cta();
             const int es = warp * c.E / kWarps, ee = (warp + 1) * c.E / kWarps;
             const bool has1 = es < min(ee, c.x1), has2 = max(es, c.x1) < ee;
-            const int t0 = 2 * q;
             auto zero = [&](int tile, int slot) {
-                float* pt = sc.part + ((size_t)tile * GSLOTS + slot) * 128;
-                *reinterpret_cast<float2*>(pt + g * 8 + t0) = make_float2(0.0f, 0.0f);
-                *reinterpret_cast<float2*>(pt + (g + 8) * 8 + t0) = make_float2(0.0f, 0.0f);
+                put(sc.part + ((size_t)tile * GSLOTS + slot) * 128, make_float2(0.0f, 0.0f), make_float2(0.0f, 0.0f));
             };
             if (c.x1 && !has1) zero(c.ft, kWarps + warp);
             if (c.x2 && !has2) zero(c.lt, warp);
@@ -632,15 +626,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
                     b.x += b1.x;
                     b.y += b1.y;
                 }
-                const int r0 = pc.tile * 16 + g;
-                if (t0 < T) {
-                    y[(size_t)t0 * ystride + r0] = a.x;
-                    y[(size_t)t0 * ystride + r0 + 8] = b.x;
-                }
-                if (t0 + 1 < T) {
-                    y[(size_t)(t0 + 1) * ystride + r0] = a.y;
-                    y[(size_t)(t0 + 1) * ystride + r0 + 8] = b.y;
-                }
+                out(pc.tile, a, b);
             }
         }
     };
