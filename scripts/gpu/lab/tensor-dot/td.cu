@@ -375,8 +375,13 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     constexpr int SLOTS = kBalance ? (int)((KS - 1) / (W / kNwt) + 2) : S;
     static_assert(SLOTS <= 64, "the partial buffer holds 64 slots a tile");
     auto start = [](int wi) { return wi * W / kNwt; };
+    // Of len k-steps in n equal shares (share i: [i len / n, (i + 1) len /
+    // n)), the share that holds k-step p.
+    auto share_of = [](int p, int len, int n) { return ((p + 1) * n + len - 1) / len - 1; };
     // The warp whose share holds k-step p.
-    auto owner = [](int p) { return ((p + 1) * kNwt + W - 1) / W - 1; };
+    auto owner = [&](int p) { return share_of(p, W, kNwt); };
+    // Whether tile t's contributors span two CTAs.
+    auto spans = [&](int t) { return owner(t * KS) / kWarps != owner(t * KS + KS - 1) / kWarps; };
     // kLocal: a CTA's share, k-steps at most; the tiles it touches; its
     // first tile; whether a tile's contributors span CTAs; the partials.
     constexpr int CSH = (kWarps * W + kNwt - 1) / kNwt;
@@ -401,14 +406,14 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     struct Piece {
         int tile, j0, j1, slot, count;
     };
-    auto cross = [&](const Piece& pc) {
-        return owner(pc.tile * KS) / kWarps != owner(pc.tile * KS + KS - 1) / kWarps;
-    };
     // kLocal 2: the CTA's range [A, B), its first and last tiles, the
     // k-steps of each that are edge k-steps (x1 at the front, x2 at the
-    // back, zero where the tile is the CTA's own), and the local range.
+    // back, zero where the tile is the CTA's own), the local range, and
+    // this warp's part [es, ee) of the E edge k-steps: whether it holds
+    // some of the first (h1) and of the last (h2) edge tile.
     struct Cta {
-        int A, B, ft, lt, x1, x2, E, L0, L;
+        int A, B, ft, lt, x1, x2, E, L0, L, es, ee;
+        bool h1, h2;
     };
     auto cta = [&]() {
         Cta c;
@@ -416,12 +421,15 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         c.B = start((blockIdx.x + 1) * kWarps);
         c.ft = c.A / KS;
         c.lt = (c.B - 1) / KS;
-        auto spans = [&](int t) { return owner(t * KS) / kWarps != owner(t * KS + KS - 1) / kWarps; };
         c.x1 = spans(c.ft) ? min(c.B, (c.ft + 1) * KS) - c.A : 0;
         c.x2 = c.lt != c.ft && spans(c.lt) ? c.B - c.lt * KS : 0;
         c.E = c.x1 + c.x2;
         c.L0 = c.A + c.x1;
         c.L = c.B - c.x2 - c.L0;
+        c.es = warp * c.E / kWarps;
+        c.ee = (warp + 1) * c.E / kWarps;
+        c.h1 = c.es < min(c.ee, c.x1);
+        c.h2 = max(c.es, c.x1) < c.ee;
         return c;
     };
     auto piece = [&](int k, Piece& pc) -> bool {
@@ -436,19 +444,18 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             return true;
         } else if constexpr (kLocal == 2) {
             const Cta c = cta();
-            const int es = warp * c.E / kWarps, ee = (warp + 1) * c.E / kWarps;
-            const int ne = (es < min(ee, c.x1) ? 1 : 0) + (max(es, c.x1) < ee ? 1 : 0);
+            const int ne = c.h1 + c.h2;
             if (k < ne) {
                 int p0, p1;
-                if (k == 0 && es < c.x1) {
+                if (k == 0 && c.h1) {
                     pc.tile = c.ft;
-                    p0 = c.A + es;
-                    p1 = c.A + min(ee, c.x1);
+                    p0 = c.A + c.es;
+                    p1 = c.A + min(c.ee, c.x1);
                     pc.slot = kWarps + warp;  // the upper CTA of its edge tile
                 } else {
                     pc.tile = c.lt;
-                    p0 = c.lt * KS + max(es, c.x1) - c.x1;
-                    p1 = c.lt * KS + ee - c.x1;
+                    p0 = c.lt * KS + max(c.es, c.x1) - c.x1;
+                    p1 = c.lt * KS + c.ee - c.x1;
                     pc.slot = warp;  // the lower CTA
                 }
                 pc.j0 = p0 - pc.tile * KS;
@@ -466,7 +473,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             pc.tile = t;
             pc.j0 = p0 - t * KS;
             pc.j1 = p1 - t * KS;
-            auto wl = [&](int p) { return ((p - c.L0 + 1) * kWarps + c.L - 1) / c.L - 1; };
+            auto wl = [&](int p) { return share_of(p - c.L0, c.L, kWarps); };
             const int first = wl(max(c.L0, t * KS)), last = wl(min(c.L0 + c.L, (t + 1) * KS) - 1);
             pc.slot = warp - first;
             pc.count = last - first + 1;
@@ -563,7 +570,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         if (kLocal == 2 && pc.count == 2 * kWarps) {
             // An edge piece: its partial now, the arrival in edge_arrivals.
             put(sc.part + ((size_t)pc.tile * GSLOTS + pc.slot) * 128, a, b);
-        } else if (kLocal && pc.count > 1 && (kLocal == 2 || !cross(pc))) {
+        } else if (kLocal && pc.count > 1 && (kLocal == 2 || !spans(pc.tile))) {
             const int stride = kLocal == 2 ? LSLOTS : SLOTS;
             put(lpart() + ((pc.tile - cta_tile()) * stride + pc.slot) * 128, a, b);
         } else if (kBalance ? pc.count == 1 : S == 1) {
@@ -582,13 +589,11 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     auto edge_arrivals = [&]() {
         if constexpr (kLocal == 2) {
             const Cta c = cta();
-            const int es = warp * c.E / kWarps, ee = (warp + 1) * c.E / kWarps;
-            const bool has1 = es < min(ee, c.x1), has2 = max(es, c.x1) < ee;
             auto zero = [&](int tile, int slot) {
                 put(sc.part + ((size_t)tile * GSLOTS + slot) * 128, make_float2(0.0f, 0.0f), make_float2(0.0f, 0.0f));
             };
-            if (c.x1 && !has1) zero(c.ft, kWarps + warp);
-            if (c.x2 && !has2) zero(c.lt, warp);
+            if (c.x1 && !c.h1) zero(c.ft, kWarps + warp);
+            if (c.x2 && !c.h2) zero(c.lt, warp);
             if (!c.x1 && !c.x2) return;
             __threadfence();
             Piece pc;
@@ -611,7 +616,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             Piece pc;
             const int t0 = 2 * q;
             for (int k = 0; k < MAXP && piece(k, pc); ++k) {
-                if (pc.count == 1 || pc.count == 2 * kWarps || (kLocal == 1 && cross(pc)) ||
+                if (pc.count == 1 || pc.count == 2 * kWarps || (kLocal == 1 && spans(pc.tile)) ||
                     pc.slot != pc.count - 1)
                     continue;
                 const int stride = kLocal == 2 ? LSLOTS : SLOTS;
