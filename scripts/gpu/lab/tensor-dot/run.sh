@@ -18,7 +18,9 @@
 # after the next phase's first loads), overlap2 (the same, fenced before
 # those loads), local (a tile's slices added in shared memory where its
 # contributors share a CTA), local2 (the same, with the CTA's edge tiles
-# split among all its warps as their first pieces); td.cu's header says
+# split among all its warps as their first pieces), sumsN (the last
+# arrival at a tile loads N slots' partials at once), copyN (the input
+# copy over all tokens at once, N loads in flight); td.cu's header says
 # more. TD_VARIANTS replaces the default list;
 # TD_SHAPES (default "0.5b 7b 14b 32b") picks the shapes.
 set -euo pipefail
@@ -44,6 +46,8 @@ if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
           split | tiled | defer | early | balance | overlap | local) f+=" -DLAB_${x^^}=1" ;;
           pf*) f+=" -DLAB_PF=${x#pf}" ;;
           nb*) f+=" -DLAB_NB=${x#nb}" ;;
+          sums*) f+=" -DLAB_SUMS=${x#sums}" ;;
+          copy*) f+=" -DLAB_COPY=${x#copy}" ;;
           skip*) f+=" -DLAB_SKIP=${x#skip}" ;;
           overlap2) f+=" -DLAB_OVERLAP=2" ;;
           local2) f+=" -DLAB_LOCAL=2" ;;

@@ -152,6 +152,21 @@ constexpr int kSkip = LAB_SKIP;
 // acquire atomics after the loads. Needs deferred arrivals and early
 // loads.
 constexpr int kOverlap = LAB_OVERLAP;
+#ifndef LAB_COPY
+#define LAB_COPY 0
+#endif
+// N > 0: a phase's input copy runs over all T tokens' inputs as one index
+// space with N 16-byte loads in flight per thread; 0: token by token, 4
+// loads in flight, so at least T round trips to L2.
+constexpr int kCopyBatch = LAB_COPY > 0 ? LAB_COPY : 4;
+constexpr bool kFlatCopy = LAB_COPY > 0;
+#ifndef LAB_SUMS
+#define LAB_SUMS 0
+#endif
+// The last arrival at a tile loads its slots' partials from L2 N at a time
+// (all N in flight, then added in slot order); 0: one slot per round trip.
+constexpr int kSumBatch = LAB_SUMS > 0 ? LAB_SUMS : 1;
+constexpr bool kBatchSums = LAB_SUMS > 0;
 static_assert(!kOverlap || (LAB_DEFER && LAB_EARLY), "overlap moves deferred arrivals after early loads");
 static_assert(!kLocal || (LAB_BALANCE && !LAB_DEFER), "local sums need balanced shares and per-unit arrivals");
 static_assert(kPf == 0 || (LAB_TILED && LAB_BALANCE), "the prefetch follows one contiguous stream");
@@ -316,29 +331,49 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         if constexpr (kSkip & 2) return;
         const int n = (c + 1 < NCH ? KC : K - c * KC);  // elements, a multiple of 32
         const int n4 = n / 4;
-        for (int t = 0; t < T; ++t) {
-            const float4* s = reinterpret_cast<const float4*>(x + (size_t)t * xstride + (size_t)c * KC);
+        // Token t's 4 inputs at chunk column 4 j, rounded into both planes.
+        auto put4 = [&](int t, int j, const float4& v) {
             uint2* d = reinterpret_cast<uint2*>(xs + t * P);
             uint2* dl = reinterpret_cast<uint2*>(xs + (T + t) * P);  // the lo plane
-            for (int j0 = threadIdx.x; j0 < n4; j0 += 4 * kThreads) {
-                float4 v[4];
+            const uint32_t h0 = bf16_bits(v.x), h1 = bf16_bits(v.y), h2 = bf16_bits(v.z), h3 = bf16_bits(v.w);
+            d[j] = make_uint2(h0 | (h1 << 16), h2 | (h3 << 16));
+            if constexpr (LAB_SPLIT) {
+                auto rest = [](float x, uint32_t h) { return bf16_bits(x - __uint_as_float(h << 16)); };
+                dl[j] = make_uint2(rest(v.x, h0) | (rest(v.y, h1) << 16), rest(v.z, h2) | (rest(v.w, h3) << 16));
+            }
+        };
+        auto src = [&](int t) { return reinterpret_cast<const float4*>(x + (size_t)t * xstride + (size_t)c * KC); };
+        if constexpr (kFlatCopy) {
+            // All T tokens' loads in one index space, kCopyBatch in flight
+            // per thread: about T n4 / (kCopyBatch kThreads) round trips.
+            const int tot = T * n4;
+            for (int f0 = threadIdx.x; f0 < tot; f0 += kCopyBatch * kThreads) {
+                float4 v[kCopyBatch];
 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const int j = j0 + u * kThreads;
-                    if (j < n4) v[u] = __ldcg(s + j);
+                for (int u = 0; u < kCopyBatch; ++u) {
+                    const int f = f0 + u * kThreads, t = f / n4;
+                    if (f < tot) v[u] = __ldcg(src(t) + (f - t * n4));
                 }
 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const int j = j0 + u * kThreads;
-                    if (j < n4) {
-                        const uint32_t h0 = bf16_bits(v[u].x), h1 = bf16_bits(v[u].y), h2 = bf16_bits(v[u].z),
-                                       h3 = bf16_bits(v[u].w);
-                        d[j] = make_uint2(h0 | (h1 << 16), h2 | (h3 << 16));
-                        if constexpr (LAB_SPLIT) {
-                            auto rest = [](float x, uint32_t h) { return bf16_bits(x - __uint_as_float(h << 16)); };
-                            dl[j] = make_uint2(rest(v[u].x, h0) | (rest(v[u].y, h1) << 16),
-                                               rest(v[u].z, h2) | (rest(v[u].w, h3) << 16));
-                        }
+                for (int u = 0; u < kCopyBatch; ++u) {
+                    const int f = f0 + u * kThreads, t = f / n4;
+                    if (f < tot) put4(t, f - t * n4, v[u]);
+                }
+            }
+        } else {
+            for (int t = 0; t < T; ++t) {
+                const float4* s = src(t);
+                for (int j0 = threadIdx.x; j0 < n4; j0 += 4 * kThreads) {
+                    float4 v[4];
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        const int j = j0 + u * kThreads;
+                        if (j < n4) v[u] = __ldcg(s + j);
+                    }
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        const int j = j0 + u * kThreads;
+                        if (j < n4) put4(t, j, v[u]);
                     }
                 }
             }
@@ -537,16 +572,38 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         if (old == (unsigned)count - 1u) {
             // With kOverlap 2 the atomic's acquire orders the loads below.
             if constexpr (kOverlap != 2) __threadfence();
-            float2 a = __ldcg(reinterpret_cast<const float2*>(pt + g * 8 + t0));
-            float2 b = __ldcg(reinterpret_cast<const float2*>(pt + (g + 8) * 8 + t0));
+            float2 a = make_float2(0.0f, 0.0f), b = a;
+            if constexpr (kBatchSums) {
+                // kSumBatch slots' loads in flight at once, added in slot
+                // order: one L2 round trip per batch, not one per slot.
 #pragma unroll 1
-            for (int k = 1; k < count; ++k) {
-                const float2 a1 = __ldcg(reinterpret_cast<const float2*>(pt + k * 128 + g * 8 + t0));
-                const float2 b1 = __ldcg(reinterpret_cast<const float2*>(pt + k * 128 + (g + 8) * 8 + t0));
-                a.x += a1.x;
-                a.y += a1.y;
-                b.x += b1.x;
-                b.y += b1.y;
+                for (int k0 = 0; k0 < count; k0 += kSumBatch) {
+                    float2 ra[kSumBatch], rb[kSumBatch];
+#pragma unroll
+                    for (int i = 0; i < kSumBatch; ++i)
+                        if (k0 + i < count) {
+                            ra[i] = __ldcg(reinterpret_cast<const float2*>(pt + (k0 + i) * 128 + g * 8 + t0));
+                            rb[i] = __ldcg(reinterpret_cast<const float2*>(pt + (k0 + i) * 128 + (g + 8) * 8 + t0));
+                        }
+#pragma unroll
+                    for (int i = 0; i < kSumBatch; ++i)
+                        if (k0 + i < count) {
+                            a = k0 + i ? make_float2(a.x + ra[i].x, a.y + ra[i].y) : ra[i];
+                            b = k0 + i ? make_float2(b.x + rb[i].x, b.y + rb[i].y) : rb[i];
+                        }
+                }
+            } else {
+                a = __ldcg(reinterpret_cast<const float2*>(pt + g * 8 + t0));
+                b = __ldcg(reinterpret_cast<const float2*>(pt + (g + 8) * 8 + t0));
+#pragma unroll 1
+                for (int k = 1; k < count; ++k) {
+                    const float2 a1 = __ldcg(reinterpret_cast<const float2*>(pt + k * 128 + g * 8 + t0));
+                    const float2 b1 = __ldcg(reinterpret_cast<const float2*>(pt + k * 128 + (g + 8) * 8 + t0));
+                    a.x += a1.x;
+                    a.y += a1.y;
+                    b.x += b1.x;
+                    b.y += b1.y;
+                }
             }
             out(tile, a, b);
             if (lane == 0) sc.cnt[tile] = 0u;
