@@ -54,7 +54,9 @@
 // -DLAB_OVERLAP=1 runs a phase's deferred arrivals after the next phase's
 // first loads are issued; -DLAB_OVERLAP=2 also fences before those loads;
 // -DLAB_LOCAL=1 adds the slices of a tile inside one CTA through shared
-// memory.
+// memory; -DLAB_SUMS=N lets the last arrival at a tile load N slots'
+// partials at once; -DLAB_COPY=N copies all T tokens' inputs as one index
+// space with N loads in flight per thread.
 // Every token's last-layer outputs of a T-token run are checked bit for
 // bit against its own one-token run (token in column 0). Times are the
 // median of 5 launches against a plain read of the same weights.
