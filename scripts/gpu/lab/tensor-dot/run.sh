@@ -30,7 +30,7 @@ OUT=${OUT:-/tmp}
 mkdir -p "$BIN"
 shapes=(0.5b 7b 14b 32b)
 variants=${TD_VARIANTS:-"split split-tiled split-tiled-early-balance split-tiled-early-balance-local
-  split-tiled-early-balance-local2 tiled-early-balance-local2"}
+  tiled-early-balance-local"}
 if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
   for i in "${!shapes[@]}"; do
     [[ " ${TD_SHAPES:-${shapes[*]}} " == *" ${shapes[$i]} "* ]] || continue
