@@ -20,7 +20,9 @@
 # contributors share a CTA), local2 (the same, with the CTA's edge tiles
 # split among all its warps as their first pieces), sumsN (the last
 # arrival at a tile loads N slots' partials at once), copyN (the input
-# copy over all tokens at once, N loads in flight); td.cu's header says
+# copy over all tokens at once, N loads in flight), kblkN (at least N
+# column blocks a phase, each CTA's inputs one block), bulk (the input
+# copy as bulk copies of bf16 planes the previous phase wrote); td.cu's header says
 # more. TD_VARIANTS replaces the default list;
 # TD_SHAPES (default "0.5b 7b 14b 32b") picks the shapes.
 set -euo pipefail
@@ -30,7 +32,7 @@ OUT=${OUT:-/tmp}
 mkdir -p "$BIN"
 shapes=(0.5b 7b 14b 32b)
 variants=${TD_VARIANTS:-"split split-tiled split-tiled-early-balance split-tiled-early-balance-local
-  tiled-early-balance-local"}
+  split-tiled-early-balance-local-kblk1 split-tiled-early-balance-local-kblk1-bulk"}
 if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
   for i in "${!shapes[@]}"; do
     [[ " ${TD_SHAPES:-${shapes[*]}} " == *" ${shapes[$i]} "* ]] || continue
@@ -40,14 +42,17 @@ if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
   for i in "${!shapes[@]}"; do
     [[ " ${TD_SHAPES:-${shapes[*]}} " == *" ${shapes[$i]} "* ]] || continue
     for v in $variants; do
+      # At 0.5B q/k/v and o_proj have fewer k-steps than the grid has warps.
+      [[ ${shapes[$i]} == 0.5b && $v == *balance* ]] && continue
       f=""
       for x in ${v//-/ }; do
         case $x in
-          split | tiled | defer | early | balance | overlap | local) f+=" -DLAB_${x^^}=1" ;;
+          split | tiled | defer | early | balance | overlap | local | bulk) f+=" -DLAB_${x^^}=1" ;;
           pf*) f+=" -DLAB_PF=${x#pf}" ;;
           nb*) f+=" -DLAB_NB=${x#nb}" ;;
           sums*) f+=" -DLAB_SUMS=${x#sums}" ;;
           copy*) f+=" -DLAB_COPY=${x#copy}" ;;
+          kblk*) f+=" -DLAB_KBLK=${x#kblk}" ;;
           skip*) f+=" -DLAB_SKIP=${x#skip}" ;;
           overlap2) f+=" -DLAB_OVERLAP=2" ;;
           local2) f+=" -DLAB_LOCAL=2" ;;

@@ -56,7 +56,10 @@
 // -DLAB_LOCAL=1 adds the slices of a tile inside one CTA through shared
 // memory; -DLAB_SUMS=N lets the last arrival at a tile load N slots'
 // partials at once; -DLAB_COPY=N copies all T tokens' inputs as one index
-// space with N loads in flight per thread.
+// space with N loads in flight per thread; -DLAB_KBLK=N cuts each phase
+// into column blocks, so a CTA copies one block's inputs; -DLAB_BULK=1
+// copies them with the copy engine from bf16 planes the previous phase
+// wrote.
 // Every token's last-layer outputs of a T-token run are checked bit for
 // bit against its own one-token run (token in column 0). Times are the
 // median of 5 launches against a plain read of the same weights.
@@ -80,10 +83,16 @@ constexpr int kWarps = 16, kThreads = kWarps * 32, kNwt = kGrid * kWarps;
 // of its two edge tiles evenly among its 16 warps as their first pieces,
 // then the rest of its share; an edge tile's sum has 32 fixed slots (the
 // 16 warps of each of its two CTAs, zeros where a warp has none of it).
-// Needs balanced shares and per-unit arrivals.
+// Needs balanced shares; 2 also needs per-unit arrivals (with 1 and
+// -DLAB_DEFER=1 the edge tiles arrive after the warp's stream).
 constexpr int kLocal = LAB_LOCAL;
-constexpr int kInputBytes = (kLocal ? 190 : 200) * 1024;  // T inputs per CTA
-constexpr int kPartBytes = kLocal ? 36 * 1024 : 0;        // local partials per CTA
+#ifndef LAB_KBLK
+#define LAB_KBLK 0
+#endif
+// With column blocks a CTA's inputs are one block's (kTMax tokens of them
+// fit), so the local partials get more room.
+constexpr int kInputBytes = (LAB_KBLK ? 164 : kLocal ? 190 : 200) * 1024;  // T inputs per CTA
+constexpr int kPartBytes = kLocal ? (LAB_KBLK ? 63 : 36) * 1024 : 0;        // local partials per CTA
 constexpr int kSmemBytes = kInputBytes + kPartBytes;
 #ifndef LAB_NB
 #define LAB_NB 4
@@ -169,9 +178,30 @@ constexpr bool kFlatCopy = LAB_COPY > 0;
 // (all N in flight, then added in slot order); 0: one slot per round trip.
 constexpr int kSumBatch = LAB_SUMS > 0 ? LAB_SUMS : 1;
 constexpr bool kBatchSums = LAB_SUMS > 0;
+// N > 0: a phase's k-steps are cut into column blocks, at least N and as
+// few as let kTMax tokens' inputs of one block fit the input area (a
+// block count dividing the grid and the k-steps, from the shape alone).
+// The shares run over blocks, then tiles, then k-steps, so a CTA's share
+// lies in one block and it copies that block's inputs only; a tile's
+// blocks add their sums in block order through global memory. 0: one
+// block, column chunks where T inputs do not fit.
+constexpr int kKblk = LAB_KBLK;
+#ifndef LAB_BULK
+#define LAB_BULK 0
+#endif
+// 1: each phase's epilogue also writes its outputs as the next phase's
+// inputs, bf16 hi and lo planes in global memory ([2][kTMax][width]), and
+// a phase's input copy is one bulk copy (cp.async.bulk, the copy engine)
+// per plane and token of the CTA's block into shared memory, waited on
+// with an mbarrier: no registers, no conversion, all tokens at once.
+// Needs column blocks (every T's inputs fit at once).
+constexpr bool kBulk = LAB_BULK;
 static_assert(!kOverlap || (LAB_DEFER && LAB_EARLY), "overlap moves deferred arrivals after early loads");
-static_assert(!kLocal || (LAB_BALANCE && !LAB_DEFER), "local sums need balanced shares and per-unit arrivals");
+static_assert(!kLocal || (LAB_BALANCE && (kLocal == 1 || !LAB_DEFER)), "local sums need balanced shares; edge tiles first, per-unit arrivals");
 static_assert(kPf == 0 || (LAB_TILED && LAB_BALANCE), "the prefetch follows one contiguous stream");
+static_assert(!kKblk || (LAB_TILED && LAB_BALANCE && LAB_LOCAL != 2 && !LAB_OVERLAP && !LAB_COPY && !LAB_PF),
+              "column blocks need tiled weights, balanced shares, per-tile-edge or global sums");
+static_assert(!kBulk || kKblk, "bulk copies need column blocks");
 
 // ---------------------------------------------------------------- helpers
 
@@ -279,6 +309,15 @@ __global__ void colcheck(int trials, unsigned* bad, unsigned* cases) {
 
 // ------------------------------------------------------------ part 2: step
 
+// Column blocks of a phase with k inputs a row (see LAB_KBLK).
+__host__ __device__ constexpr int kblocks(int k) {
+    if (!kKblk) return 1;
+    const int ks = k / 32;
+    for (int d = kKblk; d <= ks; ++d)
+        if (kGrid % d == 0 && ks % d == 0 && (k / d + 32) * kTMax * 2 * kPlanes <= kInputBytes) return d;
+    return 0;
+}
+
 // Slices per 16-row tile: the fewest (each at least 4 k-steps) whose units
 // keep 90 % of the grid's warps busy over the phase's rounds, else the best.
 __host__ __device__ constexpr int slices(int rows, int k) {
@@ -301,6 +340,9 @@ __host__ __device__ constexpr int slices(int rows, int k) {
 struct Scratch {
     float* part;     // [tiles][64][16][8] f32, partial sums (a slot per contributor)
     unsigned* cnt;   // [tiles], zero between phases
+    float* bpart;    // [tiles][12][16][8] f32, column blocks' sums (a slot per block)
+    unsigned* bcnt;  // [tiles], zero between phases
+    unsigned mbar;   // with kBulk: the CTA's mbarrier for the input copy (shared address)
 };
 
 // One weight phase on tensor cores: y[t][r] = W[r, :] . bf16(x[t][:]) for
@@ -308,19 +350,28 @@ struct Scratch {
 // `wait` is the grid barrier that ends the previous phase; with kOverlap,
 // `prev` runs the previous phase's arrivals just before it. ARRIVALS: run
 // only this phase's deferred arrivals (what `prev` calls).
+// With kBulk: xh, yh are the input and output planes [2][kTMax][stride]
+// bf16, and nb counts the CTA's bulk copies (the mbarrier's phase).
 template <int K, int ROWS, int T, bool ARRIVALS = false, class Wait, class Prev>
 __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const float* x, int xstride, float* y,
-                                      int ystride, uint16_t* xs, Scratch sc, uint64_t pol, Wait wait, Prev prev) {
+                                      int ystride, uint16_t* xs, Scratch sc, uint64_t pol, Wait wait, Prev prev,
+                                      const uint16_t* xh = nullptr, uint16_t* yh = nullptr, unsigned* nb = nullptr) {
     static_assert(ROWS % 16 == 0 && K % 32 == 0, "shape");
-    constexpr int KS = K / 32;  // k-steps
+    // Column blocks and a block's k-steps; below, a "tile" is a block's
+    // part of a 16-row tile (tile v: block v / RTILES, rows of v % RTILES).
+    constexpr int NKB = kblocks(K);
+    static_assert(NKB >= 1 && NKB <= 12, "kTMax inputs of a column block fit");
+    constexpr int KS = K / 32 / NKB;
+    constexpr int KB = K / NKB;  // a block's columns
     constexpr int S = slices(ROWS, K);
-    constexpr int TILES = ROWS / 16, UNITS = TILES * S;
+    constexpr int RTILES = ROWS / 16, TILES = RTILES * NKB, UNITS = TILES * S;
+    static_assert(NKB == 1 || kBalance, "column blocks need balanced shares");
     constexpr int MAXU = (UNITS + kNwt - 1) / kNwt;
     // Inputs per chunk (a multiple of 32) and the token pitch (elements,
     // = 32 mod 64: 64 bytes off a multiple of 128).
     constexpr int KC0 = (kInputBytes / 2 / kPlanes / T - 32) / 64 * 64;
-    constexpr int KC = K < KC0 ? K : KC0;
-    constexpr int NCH = (K + KC - 1) / KC;
+    constexpr int KC = KB < KC0 ? KB : KC0;
+    constexpr int NCH = (KB + KC - 1) / KC;
     constexpr int P = KC % 64 == 0 ? KC + 32 : KC;
     static_assert(P * T * 2 * kPlanes <= kInputBytes, "inputs fit");
     // Elements from one k-step's load to the next, and from rows g to g + 8.
@@ -331,7 +382,35 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
 
     auto copy_chunk = [&](int c) {
         if constexpr (kSkip & 2) return;
-        const int n = (c + 1 < NCH ? KC : K - c * KC);  // elements, a multiple of 32
+        if constexpr (kBulk) {
+            static_assert(NCH == 1 && KB % 8 == 0 && P % 8 == 0, "one 16-byte aligned bulk copy per plane and token");
+            const int b0 = NKB == 1 ? 0 : (int)((long long)blockIdx.x * NKB / kGrid) * KB;
+            if (threadIdx.x == 0) {
+                // The planes were written through the generic proxy.
+                asm volatile("fence.proxy.async.global;" ::: "memory");
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(sc.mbar),
+                             "r"((unsigned)(kPlanes * T * KB * 2))
+                             : "memory");
+                for (int pt = 0; pt < kPlanes * T; ++pt) {
+                    const int pl = pt / T, t = pt - pl * T;
+                    const uint16_t* src = xh + (size_t)(pl * kTMax + t) * xstride + b0;
+                    asm volatile(
+                        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                            xs_base + (unsigned)(pt * P * 2)),
+                        "l"(src), "r"((unsigned)(KB * 2)), "r"(sc.mbar)
+                        : "memory");
+                }
+            }
+            const unsigned parity = *nb & 1u;
+            asm volatile(
+                "{\n .reg .pred done;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n @!done bra "
+                "WAIT_%=;\n}" ::"r"(sc.mbar),
+                "r"(parity)
+                : "memory");
+            ++*nb;
+            return;
+        }
+        const int n = (c + 1 < NCH ? KC : KB - c * KC);  // elements, a multiple of 32
         const int n4 = n / 4;
         // Token t's 4 inputs at chunk column 4 j, rounded into both planes.
         auto put4 = [&](int t, int j, const float4& v) {
@@ -344,7 +423,11 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
                 dl[j] = make_uint2(rest(v.x, h0) | (rest(v.y, h1) << 16), rest(v.z, h2) | (rest(v.w, h3) << 16));
             }
         };
-        auto src = [&](int t) { return reinterpret_cast<const float4*>(x + (size_t)t * xstride + (size_t)c * KC); };
+        // The CTA's column block (its share lies in one).
+        const int b0 = NKB == 1 ? 0 : (int)((long long)blockIdx.x * NKB / kGrid) * KB;
+        auto src = [&](int t) {
+            return reinterpret_cast<const float4*>(x + (size_t)t * xstride + b0 + (size_t)c * KC);
+        };
         if constexpr (kFlatCopy) {
             // All T tokens' loads in one index space, kCopyBatch in flight
             // per thread: about T n4 / (kCopyBatch kThreads) round trips.
@@ -540,20 +623,66 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     // Lane (g, q)'s sums of a tile: a = row g, b = row g + 8, each for
     // tokens 2q and 2q + 1. `out` writes them to y, `put` to a partial
     // slot [16][8].
-    auto out = [&](int tile, float2 a, float2 b) {
+    auto write = [&](int tile, float2 a, float2 b) {
         const int r0 = tile * 16 + g, t0 = 2 * q;
+        // With kBulk, the next phase's hi and lo planes too.
+        auto planes = [&](int t, int r, float v) {
+            if constexpr (kBulk) {
+                const uint32_t h = bf16_bits(v);
+                yh[(size_t)t * ystride + r] = (uint16_t)h;
+                if constexpr (LAB_SPLIT) yh[(size_t)(kTMax + t) * ystride + r] = (uint16_t)bf16_bits(v - __uint_as_float(h << 16));
+            }
+        };
         if (t0 < T) {
             y[(size_t)t0 * ystride + r0] = a.x;
             y[(size_t)t0 * ystride + r0 + 8] = b.x;
+            planes(t0, r0, a.x);
+            planes(t0, r0 + 8, b.x);
         }
         if (t0 + 1 < T) {
             y[(size_t)(t0 + 1) * ystride + r0] = a.y;
             y[(size_t)(t0 + 1) * ystride + r0 + 8] = b.y;
+            planes(t0 + 1, r0, a.y);
+            planes(t0 + 1, r0 + 8, b.y);
         }
     };
     auto put = [&](float* pt, float2 a, float2 b) {
         *reinterpret_cast<float2*>(pt + g * 8 + 2 * q) = a;
         *reinterpret_cast<float2*>(pt + (g + 8) * 8 + 2 * q) = b;
+    };
+    // A tile's whole sums (the whole warp holds them). With column blocks:
+    // its block's slot, a fence and the row tile's counter; the last of
+    // the NKB blocks to arrive adds them in block order and writes y.
+    auto out = [&](int tile, float2 a, float2 b) {
+        if constexpr (NKB == 1) {
+            write(tile, a, b);
+        } else {
+            const int rt = tile % RTILES, t0 = 2 * q;
+            float* pt = sc.bpart + (size_t)rt * 12 * 128;  // [12][16][8]
+            put(pt + (tile / RTILES) * 128, a, b);
+            __threadfence();
+            __syncwarp();
+            unsigned old = 0;
+            if (lane == 0) old = atomicAdd(sc.bcnt + rt, 1u);
+            old = __shfl_sync(0xffffffffu, old, 0);
+            if (old != NKB - 1u) return;
+            __threadfence();
+            float2 ra[NKB], rb[NKB];
+#pragma unroll
+            for (int i = 0; i < NKB; ++i) {
+                ra[i] = __ldcg(reinterpret_cast<const float2*>(pt + i * 128 + g * 8 + t0));
+                rb[i] = __ldcg(reinterpret_cast<const float2*>(pt + i * 128 + (g + 8) * 8 + t0));
+            }
+            a = ra[0];
+            b = rb[0];
+#pragma unroll
+            for (int i = 1; i < NKB; ++i) {
+                a = make_float2(a.x + ra[i].x, a.y + ra[i].y);
+                b = make_float2(b.x + rb[i].x, b.y + rb[i].y);
+            }
+            write(rt, a, b);
+            if (lane == 0) sc.bcnt[rt] = 0u;
+        }
     };
     // The counter of a piece's tile, after its partial is stored and
     // fenced: the last of the tile's contributors to arrive adds the
@@ -619,7 +748,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             if constexpr (kOverlap != 2) __threadfence();
             Piece pc;
             for (int k = 0; k < MAXP && piece(k, pc); ++k)
-                if (kBalance ? pc.count > 1 : S > 1) arrive(pc);
+                if ((kBalance ? pc.count > 1 : S > 1) && (!kLocal || spans(pc.tile))) arrive(pc);
         }
     };
     // A piece's sums: lane (g, q) holds rows g, g + 8 of the tile, tokens
@@ -698,7 +827,11 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         arrive_all();
         return;
     }
+    // Lane (g, q)'s first element of tile's k-step 0 (with column blocks,
+    // of its block).
     auto rows_at = [&](int tile) {
+        if constexpr (NKB > 1)
+            return w + (size_t)(tile % RTILES) * 16 * K + (size_t)(tile / RTILES) * KS * 512 + 8 * lane;
         return w + (kTiled ? (size_t)tile * 16 * K + 8 * lane : (size_t)(tile * 16 + g) * K + 8 * q);
     };
 
@@ -845,6 +978,9 @@ struct Bufs {
     float *yqkv, *yo, *ygu, *yd;  // [T][QKV], [T][H], [T][2 I], [T][H]
     unsigned* bar;
     Scratch sc;
+    // With kBulk, x0's and each y's bf16 hi and lo planes [2][kTMax][width].
+    const uint16_t* hx0;
+    uint16_t *hqkv, *ho, *hgu, *hd;
 };
 
 template <int T>
@@ -852,8 +988,19 @@ __global__ void __launch_bounds__(kThreads, 1) step(Bufs b) {
     extern __shared__ __align__(128) uint16_t xs[];
     uint64_t pol;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    unsigned gen = 0;
+    unsigned gen = 0, nb = 0;
+    __shared__ __align__(8) uint64_t copied;  // the input copy's mbarrier (kBulk)
+    if constexpr (kBulk) {
+        b.sc.mbar = (unsigned)__cvta_generic_to_shared(&copied);
+        if (threadIdx.x == 0) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b.sc.mbar) : "memory");
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncthreads();
+    }
     auto sync = [&] {
+        // The planes this phase wrote, for the next phase's bulk copies.
+        if constexpr (kBulk) asm volatile("fence.proxy.async.global;" ::: "memory");
         if constexpr (kSkip & 4)
             __syncthreads();
         else
@@ -874,10 +1021,11 @@ __global__ void __launch_bounds__(kThreads, 1) step(Bufs b) {
             },
             [&] {
                 if (l) down_arrivals();
-            });
-        phase<Q, H, T>(wl + kOffO, b.yqkv, QKV, b.yo, H, xs, b.sc, pol, sync, qkv_arrivals);
-        phase<H, 2 * I, T>(wl + kOffGu, b.yo, H, b.ygu, 2 * I, xs, b.sc, pol, sync, o_arrivals);
-        phase<I, H, T>(wl + kOffD, b.ygu, 2 * I, b.yd, H, xs, b.sc, pol, sync, gu_arrivals);
+            },
+            l ? b.hd : b.hx0, b.hqkv, &nb);
+        phase<Q, H, T>(wl + kOffO, b.yqkv, QKV, b.yo, H, xs, b.sc, pol, sync, qkv_arrivals, b.hqkv, b.ho, &nb);
+        phase<H, 2 * I, T>(wl + kOffGu, b.yo, H, b.ygu, 2 * I, xs, b.sc, pol, sync, o_arrivals, b.ho, b.hgu, &nb);
+        phase<I, H, T>(wl + kOffD, b.ygu, 2 * I, b.yd, H, xs, b.sc, pol, sync, gu_arrivals, b.hgu, b.hd, &nb);
     }
     if constexpr (kOverlap) down_arrivals();
     sync();
@@ -935,11 +1083,18 @@ int main() {
     CK(cudaMalloc(&ygu, (size_t)kTMax * 2 * I * 4));
     CK(cudaMalloc(&yd, (size_t)kTMax * H * 4));
     CK(cudaMalloc(&bar, 64));
-    const int max_tiles = 2 * I / 16;
+    // Tiles of the widest phase, column blocks counted.
+    const int max_tiles = std::max({QKV / 16 * kblocks(H), H / 16 * kblocks(Q), 2 * I / 16 * kblocks(H),
+                                    H / 16 * kblocks(I)});
     const size_t part_floats = (size_t)max_tiles * 64 * 128;
     CK(cudaMalloc(&part, part_floats * 4));
     CK(cudaMalloc(&cnt, max_tiles * 4));
     CK(cudaMemset(cnt, 0, max_tiles * 4));
+    float* bpart;
+    unsigned* bcnt;
+    CK(cudaMalloc(&bpart, (size_t)max_tiles * 12 * 128 * 4));
+    CK(cudaMalloc(&bcnt, max_tiles * 4));
+    CK(cudaMemset(bcnt, 0, max_tiles * 4));
     const std::vector<float> hx = lab_inputs();
     CK(cudaMemcpy(x0, hx.data(), hx.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaDeviceSynchronize());
@@ -947,19 +1102,40 @@ int main() {
     const double bytes = (double)n * 2;
     const float read_us = plain_read_us(w, n * 2);
     printf("%s: %d layers, %.2f GB of weights; plain read %.1f us (%.0f GB/s); slices q/k/v %d, o_proj %d, "
-           "gate/up %d, down %d; NB %d; inputs %s; weights %s; arrivals %s; first loads %s; split %s; L2 prefetch %d k-steps ahead; skipped (timing only) %d; deferred arrivals %s; slice sums through %s\n",
+           "gate/up %d, down %d; NB %d; inputs %s; weights %s; arrivals %s; first loads %s; split %s; L2 prefetch %d k-steps ahead; skipped (timing only) %d; deferred arrivals %s; slice sums through %s; column blocks q/k/v %d, o_proj %d, gate/up %d, down %d; input copy %s\n",
            kName, kLayers, bytes / 1e9, read_us, bytes / read_us / 1e3, slices(QKV, H), slices(H, Q),
            slices(2 * I, H), slices(H, I), NB, LAB_SPLIT ? "bf16 hi + lo" : "bf16", kTiled ? "tiled" : "row-major",
            kDefer ? "deferred to the stream's end" : "per unit", kEarly ? "before the barrier" : "after the copy",
            kBalance ? "balanced shares" : "units", kPf, kSkip, kOverlap == 2 ? "at the next phase's start, fenced at the end" : kOverlap ? "at the next phase's start" : "at the phase's end",
-           kLocal == 2 ? "shared memory inside a CTA, edge tiles first" : kLocal ? "shared memory inside a CTA" : "global memory");
+           kLocal == 2 ? "shared memory inside a CTA, edge tiles first" : kLocal ? "shared memory inside a CTA" : "global memory",
+           kblocks(H), kblocks(Q), kblocks(H), kblocks(I), kBulk ? "bulk, from bf16 planes" : "by the threads, from f32");
 
-    Bufs b{w, x0, yqkv, yo, ygu, yd, bar, Scratch{part, cnt}};
+    // The planes of x0 and of every phase's output, [2][kTMax][width].
+    uint16_t *hx0, *hqkv, *ho, *hgu, *hd;
+    CK(cudaMalloc(&hx0, (size_t)2 * kTMax * H * 2));
+    CK(cudaMalloc(&hqkv, (size_t)2 * kTMax * QKV * 2));
+    CK(cudaMalloc(&ho, (size_t)2 * kTMax * H * 2));
+    CK(cudaMalloc(&hgu, (size_t)2 * kTMax * 2 * I * 2));
+    CK(cudaMalloc(&hd, (size_t)2 * kTMax * H * 2));
+    {
+        std::vector<uint16_t> hp((size_t)2 * kTMax * H);
+        for (size_t i = 0; i < (size_t)kTMax * H; ++i) {
+            const uint32_t h = bf16_bits(hx[i]);
+            float hf;
+            const uint32_t u = h << 16;
+            memcpy(&hf, &u, 4);
+            hp[i] = (uint16_t)h;
+            hp[(size_t)kTMax * H + i] = (uint16_t)bf16_bits(hx[i] - hf);
+        }
+        CK(cudaMemcpy(hx0, hp.data(), hp.size() * 2, cudaMemcpyHostToDevice));
+    }
+    Bufs b{w, x0, yqkv, yo, ygu, yd, bar, Scratch{part, cnt, bpart, bcnt, 0u}, hx0, hqkv, ho, hgu, hd};
     std::vector<std::vector<float>> ref(kTMax);
     float t1_us = 0;
     for (int t = 0; t < kTMax; ++t) {
         Bufs bt = b;
         bt.x0 = x0 + (size_t)t * H;
+        bt.hx0 = hx0 + (size_t)t * H;
         Run r = run<1>(bt, yd, t == 0 ? 5 : 1);
         if (t == 0) {
             t1_us = r.us;
