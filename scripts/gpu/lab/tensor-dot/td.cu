@@ -90,9 +90,10 @@ constexpr int kLocal = LAB_LOCAL;
 #define LAB_KBLK 0
 #endif
 // With column blocks a CTA's inputs are one block's (kTMax tokens of them
-// fit), so the local partials get more room.
+// fit), so the local partials get more room; 1 KB stays for static shared
+// memory (the bulk copies' mbarrier).
 constexpr int kInputBytes = (LAB_KBLK ? 164 : kLocal ? 190 : 200) * 1024;  // T inputs per CTA
-constexpr int kPartBytes = kLocal ? (LAB_KBLK ? 63 : 36) * 1024 : 0;        // local partials per CTA
+constexpr int kPartBytes = kLocal ? (LAB_KBLK ? 62 : 36) * 1024 : 0;        // local partials per CTA
 constexpr int kSmemBytes = kInputBytes + kPartBytes;
 #ifndef LAB_NB
 #define LAB_NB 4
@@ -382,9 +383,10 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
 
     auto copy_chunk = [&](int c) {
         if constexpr (kSkip & 2) return;
+        // The first column of the CTA's block (its share lies in one).
+        const int b0 = NKB == 1 ? 0 : (int)((long long)blockIdx.x * NKB / kGrid) * KB;
         if constexpr (kBulk) {
             static_assert(NCH == 1 && KB % 8 == 0 && P % 8 == 0, "one 16-byte aligned bulk copy per plane and token");
-            const int b0 = NKB == 1 ? 0 : (int)((long long)blockIdx.x * NKB / kGrid) * KB;
             if (threadIdx.x == 0) {
                 // The planes were written through the generic proxy.
                 asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -423,8 +425,6 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
                 dl[j] = make_uint2(rest(v.x, h0) | (rest(v.y, h1) << 16), rest(v.z, h2) | (rest(v.w, h3) << 16));
             }
         };
-        // The CTA's column block (its share lies in one).
-        const int b0 = NKB == 1 ? 0 : (int)((long long)blockIdx.x * NKB / kGrid) * KB;
         auto src = [&](int t) {
             return reinterpret_cast<const float4*>(x + (size_t)t * xstride + b0 + (size_t)c * KC);
         };
@@ -621,8 +621,8 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         }
     };
     // Lane (g, q)'s sums of a tile: a = row g, b = row g + 8, each for
-    // tokens 2q and 2q + 1. `out` writes them to y, `put` to a partial
-    // slot [16][8].
+    // tokens 2q and 2q + 1. `write` writes them to y (with kBulk, to the
+    // planes too), `put` to a partial slot [16][8].
     auto write = [&](int tile, float2 a, float2 b) {
         const int r0 = tile * 16 + g, t0 = 2 * q;
         // With kBulk, the next phase's hi and lo planes too.
