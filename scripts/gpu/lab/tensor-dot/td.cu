@@ -310,6 +310,8 @@ __global__ void colcheck(int trials, unsigned* bad, unsigned* cases) {
 
 // ------------------------------------------------------------ part 2: step
 
+// Column blocks a phase may have: each block's sums get a slot per row tile.
+constexpr int kMaxBlocks = 12;
 // Column blocks of a phase with k inputs a row (see LAB_KBLK).
 __host__ __device__ constexpr int kblocks(int k) {
     if (!kKblk) return 1;
@@ -341,7 +343,7 @@ __host__ __device__ constexpr int slices(int rows, int k) {
 struct Scratch {
     float* part;     // [tiles][64][16][8] f32, partial sums (a slot per contributor)
     unsigned* cnt;   // [tiles], zero between phases
-    float* bpart;    // [tiles][12][16][8] f32, column blocks' sums (a slot per block)
+    float* bpart;    // [tiles][kMaxBlocks][16][8] f32, column blocks' sums (a slot per block)
     unsigned* bcnt;  // [tiles], zero between phases
     unsigned mbar;   // with kBulk: the CTA's mbarrier for the input copy (shared address)
 };
@@ -361,7 +363,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     // Column blocks and a block's k-steps; below, a "tile" is a block's
     // part of a 16-row tile (tile v: block v / RTILES, rows of v % RTILES).
     constexpr int NKB = kblocks(K);
-    static_assert(NKB >= 1 && NKB <= 12, "kTMax inputs of a column block fit");
+    static_assert(NKB >= 1 && NKB <= kMaxBlocks, "kTMax inputs of a column block fit");
     constexpr int KS = K / 32 / NKB;
     constexpr int KB = K / NKB;  // a block's columns
     constexpr int S = slices(ROWS, K);
@@ -658,7 +660,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             write(tile, a, b);
         } else {
             const int rt = tile % RTILES, t0 = 2 * q;
-            float* pt = sc.bpart + (size_t)rt * 12 * 128;  // [12][16][8]
+            float* pt = sc.bpart + (size_t)rt * kMaxBlocks * 128;  // [kMaxBlocks][16][8]
             put(pt + (tile / RTILES) * 128, a, b);
             __threadfence();
             __syncwarp();
@@ -1092,7 +1094,7 @@ int main() {
     CK(cudaMemset(cnt, 0, max_tiles * 4));
     float* bpart;
     unsigned* bcnt;
-    CK(cudaMalloc(&bpart, (size_t)max_tiles * 12 * 128 * 4));
+    CK(cudaMalloc(&bpart, (size_t)max_tiles * kMaxBlocks * 128 * 4));
     CK(cudaMalloc(&bcnt, max_tiles * 4));
     CK(cudaMemset(bcnt, 0, max_tiles * 4));
     const std::vector<float> hx = lab_inputs();
