@@ -22,7 +22,13 @@
 # arrival at a tile loads N slots' partials at once), copyN (the input
 # copy over all tokens at once, N loads in flight), kblkN (at least N
 # column blocks a phase, each CTA's inputs one block), bulk (the input
-# copy as bulk copies of bf16 planes the previous phase wrote); td.cu's header says
+# copy as bulk copies of bf16 planes the previous phase wrote), relacq (arrivals
+# through an acq_rel atomic instead of a full fence), late (the last arrival's
+# sums after the warp's stream), tile8 (tile order in 8-row bands), clean
+# (tc_phase.cuh, the chosen configuration written for the product: needs
+# split-tiled-early-balance-local-kblk1-bulk), staged (with clean: the last
+# arrival's slots through shared memory in one round trip); td.cu's header
+# says
 # more. TD_VARIANTS replaces the default list;
 # TD_SHAPES (default "0.5b 7b 14b 32b") picks the shapes.
 set -euo pipefail
@@ -42,12 +48,13 @@ if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
   for i in "${!shapes[@]}"; do
     [[ " ${TD_SHAPES:-${shapes[*]}} " == *" ${shapes[$i]} "* ]] || continue
     for v in $variants; do
-      # At 0.5B q/k/v and o_proj have fewer k-steps than the grid has warps.
-      [[ ${shapes[$i]} == 0.5b && $v == *balance* ]] && continue
+      # At 0.5B q/k/v and o_proj have fewer k-steps than the grid has warps:
+      # no edge tiles first there.
+      [[ ${shapes[$i]} == 0.5b && $v == *local2* ]] && continue
       f=""
       for x in ${v//-/ }; do
         case $x in
-          split | tiled | defer | early | balance | overlap | local | bulk) f+=" -DLAB_${x^^}=1" ;;
+          split | tiled | defer | early | balance | overlap | local | bulk | relacq | late | tile8 | clean | staged) f+=" -DLAB_${x^^}=1" ;;
           pf*) f+=" -DLAB_PF=${x#pf}" ;;
           nb*) f+=" -DLAB_NB=${x#nb}" ;;
           sums*) f+=" -DLAB_SUMS=${x#sums}" ;;

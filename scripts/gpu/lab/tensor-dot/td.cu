@@ -59,7 +59,12 @@
 // space with N loads in flight per thread; -DLAB_KBLK=N cuts each phase
 // into column blocks, so a CTA copies one block's inputs; -DLAB_BULK=1
 // copies them with the copy engine from bf16 planes the previous phase
-// wrote.
+// wrote; -DLAB_RELACQ=1 makes each arrival an acq_rel atomic instead of a
+// full fence and an atomic; -DLAB_LATE=1 has the last arrival add its
+// tile's slots after its stream; -DLAB_TILE8=1 orders the weights in 8-row
+// bands; -DLAB_CLEAN=1 runs every phase through tc_phase.cuh, the chosen
+// configuration written as the product would take it, and -DLAB_STAGED=1
+// (with it) copies the last arrival's slots through shared memory.
 // Every token's last-layer outputs of a T-token run are checked bit for
 // bit against its own one-token run (token in column 0). Times are the
 // median of 5 launches against a plain read of the same weights.
@@ -71,6 +76,8 @@
 #include "../multi-token/step_lab.cuh"  // shapes, weights, grid_sync, the plain read, timing; CK
 
 #include <cmath>
+
+#include "tc_phase.cuh"  // the chosen configuration, product-style (-DLAB_CLEAN=1)
 
 constexpr int kWarps = 16, kThreads = kWarps * 32, kNwt = kGrid * kWarps;
 #ifndef LAB_LOCAL
@@ -115,6 +122,17 @@ constexpr int kPlanes = LAB_SPLIT ? 2 : 1;
 // lane (g, q), 8 elements. 0: row-major [ROWS][K], where one load
 // instruction reads 64 bytes from each of 8 rows.
 constexpr bool kTiled = LAB_TILED;
+#ifndef LAB_TILE8
+#define LAB_TILE8 0
+#endif
+// 1 (with tiled): 8-row bands instead of 16-row tiles: band r / 8, then
+// k-step, then row, then 32 elements. Lane (g, q) reads rows g and g + 8
+// of a 16-row tile from two bands, each load instruction still 512
+// contiguous bytes, but a unit streams two runs instead of one. Every
+// tensor can then be ordered on its own, even where a tile's two halves
+// come from two tensors (gate and up).
+constexpr bool kTile8 = LAB_TILE8;
+static_assert(!kTile8 || kTiled, "8-row bands are a tile order");
 #ifndef LAB_DEFER
 #define LAB_DEFER 0
 #endif
@@ -146,6 +164,7 @@ constexpr bool kBalance = LAB_BALANCE;
 // stream in flight without registers; 0: no prefetch. Needs tiled weights
 // and balanced shares (the share is one contiguous range).
 constexpr int kPf = LAB_PF;
+static_assert(!kTile8 || !kPf, "the prefetch follows 16-row tiles");
 #ifndef LAB_SKIP
 #define LAB_SKIP 0
 #endif
@@ -170,14 +189,14 @@ constexpr int kOverlap = LAB_OVERLAP;
 // N > 0: a phase's input copy runs over all T tokens' inputs as one index
 // space with N 16-byte loads in flight per thread; 0: token by token, 4
 // loads in flight, so at least T round trips to L2.
-constexpr int kCopyBatch = LAB_COPY > 0 ? LAB_COPY : 4;
+[[maybe_unused]] constexpr int kCopyBatch = LAB_COPY > 0 ? LAB_COPY : 4;
 constexpr bool kFlatCopy = LAB_COPY > 0;
 #ifndef LAB_SUMS
 #define LAB_SUMS 0
 #endif
 // The last arrival at a tile loads its slots' partials from L2 N at a time
 // (all N in flight, then added in slot order); 0: one slot per round trip.
-constexpr int kSumBatch = LAB_SUMS > 0 ? LAB_SUMS : 1;
+[[maybe_unused]] constexpr int kSumBatch = LAB_SUMS > 0 ? LAB_SUMS : 1;
 constexpr bool kBatchSums = LAB_SUMS > 0;
 // N > 0: a phase's k-steps are cut into column blocks, at least N and as
 // few as let kTMax tokens' inputs of one block fit the input area (a
@@ -203,6 +222,23 @@ static_assert(kPf == 0 || (LAB_TILED && LAB_BALANCE), "the prefetch follows one 
 static_assert(!kKblk || (LAB_TILED && LAB_BALANCE && LAB_LOCAL != 2 && !LAB_OVERLAP && !LAB_COPY && !LAB_PF),
               "column blocks need tiled weights, balanced shares, per-tile-edge or global sums");
 static_assert(!kBulk || kKblk, "bulk copies need column blocks");
+#ifndef LAB_RELACQ
+#define LAB_RELACQ 0
+#endif
+// 1: a slice's or block's arrival is the counter's atom.acq_rel.gpu (lane
+// 0, after __syncwarp: release and acquire are cumulative through it)
+// instead of __threadfence (fence.sc.gpu) and a relaxed atomicAdd, and the
+// last arrival reads the slots after its acquire and a __syncwarp.
+constexpr bool kRelAcq = LAB_RELACQ;
+#ifndef LAB_LATE
+#define LAB_LATE 0
+#endif
+// 1: the last arrival at a tile (slice sums, with balanced shares and
+// in-CTA sums) notes the tile and adds its slots after the warp's stream,
+// every slot's load in flight at once (no stream registers are live then),
+// instead of one L2 round trip per slot in the middle of its stream.
+constexpr bool kLate = LAB_LATE;
+static_assert(!kLate || (LAB_LOCAL == 1 && !LAB_DEFER && !LAB_SUMS), "late sums: in-CTA sums, per-piece arrivals");
 
 // ---------------------------------------------------------------- helpers
 
@@ -378,7 +414,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     constexpr int P = KC % 64 == 0 ? KC + 32 : KC;
     static_assert(P * T * 2 * kPlanes <= kInputBytes, "inputs fit");
     // Elements from one k-step's load to the next, and from rows g to g + 8.
-    constexpr size_t JSTRIDE = kTiled ? 512 : 32, HOFF = kTiled ? 256 : (size_t)8 * K;
+    constexpr size_t JSTRIDE = kTile8 ? 256 : kTiled ? 512 : 32, HOFF = kTile8 ? (size_t)8 * K : kTiled ? 256 : (size_t)8 * K;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
     const int me = blockIdx.x * kWarps + warp;
     const unsigned xs_base = (unsigned)__cvta_generic_to_shared(xs);
@@ -490,11 +526,14 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     // The phase's k-steps in tile order and each warp's equal share of
     // them (balanced pieces): warp w takes [start(w), start(w + 1)).
     constexpr int W = TILES * KS;
-    static_assert(!kBalance || W >= kNwt, "every warp gets a k-step");
+    // Fewer k-steps than warps (0.5B's q/k/v and o_proj): a share is one
+    // k-step or none, and a tile's contributors are its k-steps, in order.
+    constexpr bool SPARSE = kBalance && W < kNwt;
+    static_assert(!SPARSE || kLocal != 2, "edge tiles first need a k-step per warp");
     static_assert((long long)(W + 1) * kNwt < (1ll << 31), "32-bit share arithmetic");
     // Pieces per warp, and contributors (slots) per tile, at most.
     constexpr int MAXP = kBalance ? (int)(((W + kNwt - 1) / kNwt + KS - 1) / KS + 1) + (kLocal == 2 ? 2 : 0) : MAXU;
-    constexpr int SLOTS = kBalance ? (int)((KS - 1) / (W / kNwt) + 2) : S;
+    constexpr int SLOTS = SPARSE ? KS : kBalance ? (int)((KS - 1) / (W / kNwt) + 2) : S;
     static_assert(SLOTS <= 64, "the partial buffer holds 64 slots a tile");
     auto start = [](int wi) { return wi * W / kNwt; };
     // Of len k-steps in n equal shares (share i: [i len / n, (i + 1) len /
@@ -617,11 +656,28 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             pc.j0 = p0 - t * KS;
             pc.j1 = p1 - t * KS;
             const int first = owner(t * KS);
-            pc.slot = me - first;
-            pc.count = owner(t * KS + KS - 1) - first + 1;
+            pc.slot = SPARSE ? pc.j0 : me - first;
+            pc.count = SPARSE ? KS : owner(t * KS + KS - 1) - first + 1;
             return true;
         }
     };
+    // Lane 0's arrival at a counter: the old count.
+    auto count_in = [](unsigned* c) {
+        unsigned old;
+        if constexpr (kRelAcq)
+            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(c) : "memory");
+        else
+            old = atomicAdd(c, 1u);
+        return old;
+    };
+    // kLate: tiles (tile | count << 16) whose slots this warp adds after
+    // its stream.
+    // In shared memory (registers are the stream's): [kWarps][2], -1 none.
+    __shared__ int pend_s[kWarps][2];
+    if constexpr (kLate) {
+        if (lane == 0) pend_s[warp][0] = pend_s[warp][1] = -1;
+        __syncwarp();
+    }
     // Lane (g, q)'s sums of a tile: a = row g, b = row g + 8, each for
     // tokens 2q and 2q + 1. `write` writes them to y (with kBulk, to the
     // planes too), `put` to a partial slot [16][8].
@@ -662,13 +718,16 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             const int rt = tile % RTILES, t0 = 2 * q;
             float* pt = sc.bpart + (size_t)rt * kMaxBlocks * 128;  // [kMaxBlocks][16][8]
             put(pt + (tile / RTILES) * 128, a, b);
-            __threadfence();
+            if constexpr (!kRelAcq) __threadfence();
             __syncwarp();
             unsigned old = 0;
-            if (lane == 0) old = atomicAdd(sc.bcnt + rt, 1u);
+            if (lane == 0) old = count_in(sc.bcnt + rt);
             old = __shfl_sync(0xffffffffu, old, 0);
             if (old != NKB - 1u) return;
-            __threadfence();
+            if constexpr (kRelAcq)
+                __syncwarp();
+            else
+                __threadfence();
             float2 ra[NKB], rb[NKB];
 #pragma unroll
             for (int i = 0; i < NKB; ++i) {
@@ -698,13 +757,27 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             if constexpr (kOverlap == 2)
                 asm volatile("atom.acquire.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(sc.cnt + tile) : "memory");
             else
-                old = atomicAdd(sc.cnt + tile, 1u);
+                old = count_in(sc.cnt + tile);
         }
         old = __shfl_sync(0xffffffffu, old, 0);
         const int count = kBalance ? pc.count : S;
         if (old == (unsigned)count - 1u) {
-            // With kOverlap 2 the atomic's acquire orders the loads below.
-            if constexpr (kOverlap != 2) __threadfence();
+            if constexpr (kLate) {
+                // Added after the stream (late_sums).
+                const int slot = pend_s[warp][0] < 0 ? 0 : pend_s[warp][1] < 0 ? 1 : 2;
+                if (slot < 2) {
+                    __syncwarp();
+                    if (lane == 0) pend_s[warp][slot] = tile | (count << 16);
+                    __syncwarp();
+                    return;
+                }
+            }
+            // With kOverlap 2 (or kRelAcq) the atomic's acquire orders the
+            // loads below.
+            if constexpr (kRelAcq)
+                __syncwarp();
+            else if constexpr (kOverlap != 2)
+                __threadfence();
             float2 a = make_float2(0.0f, 0.0f), b = a;
             if constexpr (kBatchSums) {
                 // kSumBatch slots' loads in flight at once, added in slot
@@ -768,7 +841,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         } else {
             put(sc.part + ((size_t)pc.tile * GSLOTS + pc.slot) * 128, a, b);
             if constexpr (!kDefer && !(kSkip & 1)) {
-                __threadfence();
+                if constexpr (!kRelAcq) __threadfence();
                 arrive(pc);
             }
         }
@@ -825,6 +898,45 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             }
         }
     };
+    // kLate, after the warp's stream: the noted tiles' slots, all in
+    // flight at once, added in slot order.
+    auto late_sums = [&]() {
+        if constexpr (kLate) {
+            if (pend_s[warp][0] < 0) return;
+            if constexpr (kRelAcq)
+                __syncwarp();
+            else
+                __threadfence();
+            const int t0 = 2 * q;
+#pragma unroll 1
+            for (int i = 0; i < 2; ++i) {
+                const int pd = pend_s[warp][i];
+                if (pd < 0) break;
+                const int tile = pd & 0xffff, count = pd >> 16;
+                const float* pt = sc.part + (size_t)tile * GSLOTS * 128;  // [GSLOTS][16][8]
+                constexpr int LB = 4;  // slots in flight
+                float2 a = make_float2(0.0f, 0.0f), b = a;
+#pragma unroll 1
+                for (int k0 = 0; k0 < count; k0 += LB) {
+                    float2 ra[LB], rb[LB];
+#pragma unroll
+                    for (int k = 0; k < LB; ++k)
+                        if (k0 + k < count) {
+                            ra[k] = __ldcg(reinterpret_cast<const float2*>(pt + (k0 + k) * 128 + g * 8 + t0));
+                            rb[k] = __ldcg(reinterpret_cast<const float2*>(pt + (k0 + k) * 128 + (g + 8) * 8 + t0));
+                        }
+#pragma unroll
+                    for (int k = 0; k < LB; ++k)
+                        if (k0 + k < count) {
+                            a = k0 + k ? make_float2(a.x + ra[k].x, a.y + ra[k].y) : ra[k];
+                            b = k0 + k ? make_float2(b.x + rb[k].x, b.y + rb[k].y) : rb[k];
+                        }
+                }
+                out(tile, a, b);
+                if (lane == 0) sc.cnt[tile] = 0u;
+            }
+        }
+    };
     if constexpr (ARRIVALS) {
         arrive_all();
         return;
@@ -833,7 +945,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     // of its block).
     auto rows_at = [&](int tile) {
         if constexpr (NKB > 1)
-            return w + (size_t)(tile % RTILES) * 16 * K + (size_t)(tile / RTILES) * KS * 512 + 8 * lane;
+            return w + (size_t)(tile % RTILES) * 16 * K + (size_t)(tile / RTILES) * KS * JSTRIDE + 8 * lane;
         return w + (kTiled ? (size_t)tile * 16 * K + 8 * lane : (size_t)(tile * 16 + g) * K + 8 * q);
     };
 
@@ -926,6 +1038,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             compute(wa1, wb1);
         }
         if constexpr (!kOverlap) arrive_all();
+        late_sums();
         local_sums();
         // The release half of the arrivals, while no load is in flight.
         if constexpr (kOverlap == 2 && !(kSkip & 1)) __threadfence();
@@ -968,6 +1081,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
             if (piece(k, pc)) flush(pc, d[k]);
         if constexpr (!kOverlap) arrive_all();
         edge_arrivals();
+        late_sums();
         local_sums();
         // The release half of the arrivals, while no load is in flight.
         if constexpr (kOverlap == 2 && !(kSkip & 1)) __threadfence();
@@ -985,8 +1099,83 @@ struct Bufs {
     uint16_t *hqkv, *ho, *hgu, *hd;
 };
 
+#ifndef LAB_CLEAN
+#define LAB_CLEAN 0
+#endif
+#ifndef LAB_STAGED
+#define LAB_STAGED 0
+#endif
+// With LAB_CLEAN: 1 lets the last arrival at a spanning tile copy every
+// slot into shared memory at once (cp.async) before adding them in order,
+// instead of one L2 round trip per slot.
+#ifndef LAB_THREADCOPY
+#define LAB_THREADCOPY 0
+#endif
+// With LAB_CLEAN: 1 copies the input planes with every thread's 16-byte
+// loads (the path of GPUs without bulk copies) instead of cp.async.bulk.
+// 1: every phase runs tc_phase.cuh, the chosen configuration written as
+// the product would take it (tiled, balanced, in-CTA sums, column blocks,
+// bulk copies, early loads; -DLAB_TILE8 and -DLAB_RELACQ still apply).
+// Its builds need the flags of that configuration, so the host side
+// (scratch, planes, the host check) is the same.
+static_assert(!LAB_CLEAN || (LAB_SPLIT && kTiled && kBalance && kLocal == 1 && kKblk == 1 && kBulk && kEarly &&
+                             !kDefer && !kOverlap && !kSkip && !kLate && !kBatchSums && !kFlatCopy && !kPf),
+              "the clean phase is one configuration");
+struct LabMachine {
+    static constexpr int grid = kGrid, warps = kWarps, tmax = kTMax, input_bytes = kInputBytes,
+                         part_bytes = kPartBytes;
+    static constexpr bool tile8 = kTile8, relacq = kRelAcq, staged = LAB_STAGED;
+};
+
 template <int T>
 __global__ void __launch_bounds__(kThreads, 1) step(Bufs b) {
+#if LAB_CLEAN
+    extern __shared__ __align__(128) uint16_t xs[];
+    uint64_t pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    unsigned gen = 0, nb = 0;
+    __shared__ __align__(8) uint64_t copied;
+    const unsigned mbar = (unsigned)__cvta_generic_to_shared(&copied);
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(mbar) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const tcp::Scratch sc{b.sc.part, b.sc.cnt, b.sc.bpart, b.sc.bcnt};
+    auto sync = [&] {
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        grid_sync(b.bar, gen);
+    };
+    // Output (r, t): y and its hi and lo planes.
+    auto epi = [](float* y, int ystride, uint16_t* yh) {
+        return [=](int r, int t, float v) {
+            y[(size_t)t * ystride + r] = v;
+            const uint32_t h = bf16_bits(v);
+            yh[(size_t)t * ystride + r] = (uint16_t)h;
+            yh[(size_t)(kTMax + t) * ystride + r] = (uint16_t)bf16_bits(v - __uint_as_float(h << 16));
+        };
+    };
+    // The planes [2][kTMax][stride] of a phase's input.
+    auto in = [&](const uint16_t* xh, int stride) {
+        if constexpr (LAB_THREADCOPY)
+            return tcp::ThreadPlanes{xh, stride, kTMax};
+        else
+            return tcp::BulkPlanes{xh, stride, kTMax, mbar, &nb};
+    };
+    for (int l = 0; l < kLayers; ++l) {
+        const uint16_t* wl = b.w + (size_t)l * kLayerElems;
+        tcp::phase<H, QKV, T, LabMachine>(
+            wl + kOffQkv, in(l ? b.hd : b.hx0, H), xs, sc, pol,
+            [&] {
+                if (l) sync();
+            },
+            epi(b.yqkv, QKV, b.hqkv));
+        tcp::phase<Q, H, T, LabMachine>(wl + kOffO, in(b.hqkv, QKV), xs, sc, pol, sync, epi(b.yo, H, b.ho));
+        tcp::phase<H, 2 * I, T, LabMachine>(wl + kOffGu, in(b.ho, H), xs, sc, pol, sync, epi(b.ygu, 2 * I, b.hgu));
+        tcp::phase<I, H, T, LabMachine>(wl + kOffD, in(b.hgu, 2 * I), xs, sc, pol, sync, epi(b.yd, H, b.hd));
+    }
+    sync();
+#else
     extern __shared__ __align__(128) uint16_t xs[];
     uint64_t pol;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
@@ -1031,6 +1220,7 @@ __global__ void __launch_bounds__(kThreads, 1) step(Bufs b) {
     }
     if constexpr (kOverlap) down_arrivals();
     sync();
+#endif
 }
 
 struct Run {
@@ -1162,7 +1352,9 @@ int main() {
                     double v = f(h);
                     if (LAB_SPLIT) v += f(bf16_bits(in[k] - (float)f(h)));
                     size_t at = (size_t)row * I + k;
-                    if (kTiled) {
+                    if (kTile8) {
+                        at = ((size_t)(row / 8) * (I / 32) + k / 32) * 256 + (row % 8) * 32 + k % 32;
+                    } else if (kTiled) {
                         const int r16 = row % 16, c = k % 32;
                         at = ((size_t)(row / 16) * (I / 32) + k / 32) * 512 + (r16 / 8) * 256 +
                              ((r16 % 8) * 4 + c / 8) * 8 + c % 8;
