@@ -17,20 +17,23 @@
 // - Column blocks: the fewest blocks (dividing the grid and the k-steps)
 //   whose tmax tokens' planes fit the input area; shares run over blocks,
 //   then tiles, then k-steps, so a CTA's share lies in one block and it
-//   copies that block only, with one bulk copy per plane and token
-//   (cp.async.bulk, an mbarrier).
+//   copies that block only, through an input policy (BulkPlanes: one
+//   cp.async.bulk per plane and token; ThreadPlanes where there is no bulk
+//   copy; or the caller's prologue, such as a norm).
 // - Shares: warp i of the grid takes k-steps [i W / N, (i + 1) W / N) of
 //   the phase's W, cut at tile ends into pieces. Pieces of one tile inside
 //   one CTA add through shared memory; a tile that spans two CTAs adds
 //   through global slots and a counter (the last arrival adds them in slot
-//   order); a tile's column blocks add the same way, in block order.
+//   order; Machine::staged: all slots copied through shared memory in one
+//   round trip first); a tile's column blocks add the same way, in block
+//   order.
 // Every cut depends on the shape and the machine only, never on T, so every
 // token's outputs are bit-identical at every T.
 //
 // The caller: issues fence.proxy.async.global before the grid barrier that
 // ends the phase writing the planes; zeroes the counters once (each last
-// arrival resets its own); initialises the mbarrier (one arrival) and
-// counts its phases in `nb`.
+// arrival resets its own); with BulkPlanes, initialises the mbarrier (one
+// arrival) and counts its phases in `nb`.
 #pragma once
 
 #include <cstdint>
@@ -42,6 +45,8 @@ constexpr int kMaxBlocks = 12;
 // k-steps of weight loads per register set (two sets in flight).
 constexpr int kNb = 4;
 
+// 16 bytes of weights: read once, so not kept in L1, and marked by the
+// caller's L2 policy (evict-first).
 __device__ __forceinline__ uint4 ld_w16(const uint16_t* p, uint64_t pol) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
