@@ -31,7 +31,7 @@
 // at T = 1); -DLAB_WARPS=8 runs 8 warps per CTA instead of 16, with twice
 // the registers per thread.
 //
-// Build and run (sm_90; LAB_SHAPE 0 = 0.5B, 1 = 7B, 2 = 14B, 3 = 32B):
+// Build and run (sm_90; LAB_SHAPE 0 = 0.5B, 1 = 7B, 2 = 14B, 3 = 32B, 4 = 1.5B, 5 = 3B):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -Xptxas -v -DLAB_SHAPE=1 -o /tmp/mt-7b mt.cu && /tmp/mt-7b
 // `run.sh` builds and runs every shape.
 

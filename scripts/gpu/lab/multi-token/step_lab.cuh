@@ -1,6 +1,6 @@
 // What the step labs share (mt.cu on CUDA cores, ../tensor-dot/td.cu on
 // tensor cores): the model shapes (LAB_SHAPE 0 = 0.5B, 1 = 7B, 2 = 14B,
-// 3 = 32B), one layer's weight layout and its fill, the weight load, the
+// 3 = 32B, 4 = 1.5B, 5 = 3B), one layer's weight layout and its fill, the weight load, the
 // kernel's grid barrier, the plain read that defines the floor, and the
 // timing of one step launch.
 #pragma once
@@ -29,9 +29,17 @@ static const char* kName = "7B";
 #elif LAB_SHAPE == 2
 constexpr int H = 5120, Q = 5120, KV = 1024, I = 13824;
 static const char* kName = "14B";
-#else
+#elif LAB_SHAPE == 3
 constexpr int H = 5120, Q = 5120, KV = 1024, I = 27648;
 static const char* kName = "32B";
+#elif LAB_SHAPE == 4
+constexpr int H = 1536, Q = 1536, KV = 256, I = 8960;
+static const char* kName = "1.5B";
+#elif LAB_SHAPE == 5
+constexpr int H = 2048, Q = 2048, KV = 256, I = 11008;
+static const char* kName = "3B";
+#else
+#error "LAB_SHAPE is 0 to 5"
 #endif
 constexpr int QKV = Q + 2 * KV;
 

@@ -30,23 +30,23 @@
 # arrival's slots through shared memory in one round trip); td.cu's header
 # says
 # more. TD_VARIANTS replaces the default list;
-# TD_SHAPES (default "0.5b 7b 14b 32b") picks the shapes.
+# TD_SHAPES (default "0.5b 7b 14b 32b"; also 1.5b, 3b) picks the shapes.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 BIN=${TD_BIN_DIR:-/tmp/td-lab}
 OUT=${OUT:-/tmp}
 mkdir -p "$BIN"
-shapes=(0.5b 7b 14b 32b)
+shapes=(0.5b 7b 14b 32b 1.5b 3b)  # index = LAB_SHAPE
 variants=${TD_VARIANTS:-"split split-tiled split-tiled-early-balance split-tiled-early-balance-local
   split-tiled-early-balance-local-kblk1 split-tiled-early-balance-local-kblk1-bulk"}
 if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
   for i in "${!shapes[@]}"; do
-    [[ " ${TD_SHAPES:-${shapes[*]}} " == *" ${shapes[$i]} "* ]] || continue
+    [[ " ${TD_SHAPES:-0.5b 7b 14b 32b} " == *" ${shapes[$i]} "* ]] || continue
     nvcc -O3 -std=c++17 -arch=sm_90a -Xptxas -v ${TD_NVCC_FLAGS:-} -DLAB_SHAPE="$i" -o "$BIN/td-${shapes[$i]}" \
       "$HERE/td.cu" 2> "$BIN/ptxas-td-${shapes[$i]}.txt" || { cat "$BIN/ptxas-td-${shapes[$i]}.txt"; exit 1; }
   done
   for i in "${!shapes[@]}"; do
-    [[ " ${TD_SHAPES:-${shapes[*]}} " == *" ${shapes[$i]} "* ]] || continue
+    [[ " ${TD_SHAPES:-0.5b 7b 14b 32b} " == *" ${shapes[$i]} "* ]] || continue
     for v in $variants; do
       # At 0.5B q/k/v and o_proj have fewer k-steps than the grid has warps:
       # no edge tiles first there.
@@ -76,7 +76,7 @@ if [[ ${1:-} == build ]] || ! compgen -G "$BIN/td-*" > /dev/null; then
   [[ ${1:-} == build ]] && exit 0
 fi
 # 7B and 32B first: the goal's shapes.
-for s in 7b 32b 14b 0.5b; do
+for s in 7b 32b 14b 0.5b 1.5b 3b; do
   for b in "$BIN/td-$s" "$BIN"/td-"$s"-* "$BIN/mt-$s"; do
     if [[ -x $b ]]; then timeout 120 "$b" | tee -a "$OUT/tensor-dot.txt"; fi
   done

@@ -69,7 +69,7 @@
 // bit against its own one-token run (token in column 0). Times are the
 // median of 5 launches against a plain read of the same weights.
 //
-// Build and run (sm_90; LAB_SHAPE 0 = 0.5B, 1 = 7B, 2 = 14B, 3 = 32B):
+// Build and run (sm_90; LAB_SHAPE 0 = 0.5B, 1 = 7B, 2 = 14B, 3 = 32B, 4 = 1.5B, 5 = 3B):
 //   nvcc -O3 -std=c++17 -arch=sm_90a -Xptxas -v -DLAB_SHAPE=1 -o /tmp/td-7b td.cu && /tmp/td-7b
 // `run.sh` builds and runs every shape.
 
