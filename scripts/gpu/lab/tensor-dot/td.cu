@@ -242,12 +242,15 @@ static_assert(!kLate || (LAB_LOCAL == 1 && !LAB_DEFER && !LAB_SUMS), "late sums:
 
 // ---------------------------------------------------------------- helpers
 
-__device__ __forceinline__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                    uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+// m16n8k16, bf16 in, f32 accumulate: tc_phase.cuh's.
+using tcp::mma16816;
+
+// Output (row r, token t) = v into the planes [2][kTMax][stride] bf16: hi =
+// bf16(v), lo = bf16(v - hi) (with one plane, hi only).
+__device__ __forceinline__ void store_planes(uint16_t* yh, int stride, int t, int r, float v) {
+    const uint32_t h = bf16_bits(v);
+    yh[(size_t)t * stride + r] = (uint16_t)h;
+    if constexpr (LAB_SPLIT) yh[(size_t)(kTMax + t) * stride + r] = (uint16_t)bf16_bits(v - __uint_as_float(h << 16));
 }
 
 __device__ __forceinline__ uint64_t mix(uint64_t h) {
@@ -313,7 +316,7 @@ __global__ void colcheck(int trials, unsigned* bad, unsigned* cases) {
         // B fragments: column n = g, rows 2q, 2q + 1 and 2q + 8, 2q + 9.
         auto b_pair = [&](int k, int n) { return b_at(j, k, n) | (b_at(j, k + 1, n) << 16); };
         const uint32_t b0 = b_pair(2 * q, g), b1 = b_pair(2 * q + 8, g);
-        mma(d0, a0, a1, a2, a3, b0, b1);
+        mma16816(d0, a0, a1, a2, a3, b0, b1);
         // B': column p holds column c; the others the fill.
         uint32_t e0, e1;
         if (g == p) {
@@ -326,7 +329,7 @@ __global__ void colcheck(int trials, unsigned* bad, unsigned* cases) {
             e0 = junk_bf16(key, fill) | (junk_bf16(key ^ 1, fill) << 16);
             e1 = junk_bf16(key ^ 2, fill) | (junk_bf16(key ^ 3, fill) << 16);
         }
-        mma(d1, a0, a1, a2, a3, e0, e1);
+        mma16816(d1, a0, a1, a2, a3, e0, e1);
     }
     // D columns 2q, 2q + 1 (rows g, g + 8) live in lane (g, q). Gather the
     // original column c and the moved column p for rows g, g + 8.
@@ -514,12 +517,12 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
     };
     auto step_mma = [&](float (&d)[4], const uint4& wa, const uint4& wb, int j, int c0) {
         const uint4 xb = xfrag(j, c0, 0);
-        mma(d, wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
-        mma(d, wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
+        mma16816(d, wa.x, wb.x, wa.y, wb.y, xb.x, xb.y);
+        mma16816(d, wa.z, wb.z, wa.w, wb.w, xb.z, xb.w);
         if constexpr (LAB_SPLIT) {
             const uint4 xl = xfrag(j, c0, 1);
-            mma(d, wa.x, wb.x, wa.y, wb.y, xl.x, xl.y);
-            mma(d, wa.z, wb.z, wa.w, wb.w, xl.z, xl.w);
+            mma16816(d, wa.x, wb.x, wa.y, wb.y, xl.x, xl.y);
+            mma16816(d, wa.z, wb.z, wa.w, wb.w, xl.z, xl.w);
         }
     };
     auto slice_lo = [](int s) { return s * KS / S; };
@@ -685,11 +688,7 @@ __device__ __forceinline__ void phase(const uint16_t* __restrict__ w, const floa
         const int r0 = tile * 16 + g, t0 = 2 * q;
         // With kBulk, the next phase's hi and lo planes too.
         auto planes = [&](int t, int r, float v) {
-            if constexpr (kBulk) {
-                const uint32_t h = bf16_bits(v);
-                yh[(size_t)t * ystride + r] = (uint16_t)h;
-                if constexpr (LAB_SPLIT) yh[(size_t)(kTMax + t) * ystride + r] = (uint16_t)bf16_bits(v - __uint_as_float(h << 16));
-            }
+            if constexpr (kBulk) store_planes(yh, ystride, t, r, v);
         };
         if (t0 < T) {
             y[(size_t)t0 * ystride + r0] = a.x;
@@ -1150,9 +1149,7 @@ __global__ void __launch_bounds__(kThreads, 1) step(Bufs b) {
     auto epi = [](float* y, int ystride, uint16_t* yh) {
         return [=](int r, int t, float v) {
             y[(size_t)t * ystride + r] = v;
-            const uint32_t h = bf16_bits(v);
-            yh[(size_t)t * ystride + r] = (uint16_t)h;
-            yh[(size_t)(kTMax + t) * ystride + r] = (uint16_t)bf16_bits(v - __uint_as_float(h << 16));
+            store_planes(yh, ystride, t, r, v);
         };
     };
     // The planes [2][kTMax][stride] of a phase's input.
