@@ -13,10 +13,10 @@
 // Includes, in dependency order (the files do not include each other):
 // Rendered per model by qmk_kernels:
 #include "qmk_plan.h"            // shapes, strides, chunk tables, QMK_* constants
-// The one macro of the rendered header: preprocessor conditions on an
+// The two macros of the rendered header: preprocessor conditions on an
 // undefined name would silently read 0.
-#if !defined(QMK_TP_RANKS)
-#error "QMK_TP_RANKS comes from the rendered qmk_plan.h"
+#if !defined(QMK_TP_RANKS) || !defined(QMK_TENSOR_CORES)
+#error "QMK_TP_RANKS and QMK_TENSOR_CORES come from the rendered qmk_plan.h"
 #endif
 // Shared core:
 #include "core/common.cuh"       // u16/u32/u64, koff_t, bf16 helpers, loads, fixed-order reductions
@@ -28,6 +28,7 @@
 #include "core/barrier.cuh"      // the grid barrier (bounded waits) and record_error
 // Decode ops (qmk_decode_step; lm_head and argmax also end the prefill):
 #include "decode/matvec.cuh"     // warp dot products of weight rows, the row-to-warp map
+#include "decode/tc_phase.cuh"   // a weight phase on tensor cores (down from 7B up)
 #include "decode/embed.cuh"      // embedding row / residual read of layer 0
 #include "decode/tp.cuh"         // tensor-parallel ranks: the all-reduces and the argmax fold
 #include "decode/rms_norm.cuh"   // per-CTA RMSNorm into shared memory
@@ -115,6 +116,9 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
     const bool split_attn = (p.flags & kFlagAttnNoSplit) == 0u &&
                             ((p.flags & kFlagAttnForceSplit) != 0u || pos + 1u >= kAttnSplitMinContext);
     if (split_attn && blockIdx.x == 0) attention_zero_tickets(p);
+#if QMK_TC_DOWN
+    if (blockIdx.x == 0) tc::zero_counters(p);
+#endif
     GridBarrierT<true> bar;
     bar.init(p);
     for (u32 layer = 0; layer < QMK_LAYERS; ++layer) {

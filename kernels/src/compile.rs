@@ -163,6 +163,9 @@ fn number_before(text: &str, unit: &str) -> Option<u64> {
 /// Parses `ptxas info` lines (`--ptxas-options=-v`) into one entry per kernel.
 pub fn parse_ptxas_log(log: &str) -> Vec<Resources> {
     let mut out: Vec<Resources> = Vec::new();
+    // Whether the last "Function properties" line named the entry (a
+    // non-inlined callee's properties follow its caller's).
+    let mut own = true;
     for line in log.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             let name = rest.split('\'').next().unwrap_or("").to_string();
@@ -170,8 +173,14 @@ pub fn parse_ptxas_log(log: &str) -> Vec<Resources> {
                 function: name,
                 ..Default::default()
             });
+            own = true;
         } else if let Some(r) = out.last_mut() {
-            if line.contains("bytes stack frame") {
+            if let Some(f) = line.split("Function properties for ").nth(1) {
+                own = f.trim() == r.function;
+            } else if line.contains("bytes stack frame") {
+                if !own {
+                    continue;
+                }
                 r.stack_bytes = number_before(line, "bytes stack frame").unwrap_or(0);
                 r.spill_stores = number_before(line, "bytes spill stores").unwrap_or(0);
                 r.spill_loads = number_before(line, "bytes spill loads").unwrap_or(0);
@@ -449,5 +458,21 @@ mod tests {
             (8, 4, 12)
         );
         assert_eq!(r[0].smem_bytes, 208);
+        // A non-inlined callee's properties follow its caller's and are
+        // not the caller's.
+        let log = format!(
+            "{log}ptxas info    : Function properties for _ZN3qmk2tc5phaseEv\n\
+             ptxas         .     0 bytes stack frame, 264 bytes spill stores, 436 bytes spill loads\n\
+             ptxas info    : Compiling entry function 'qmk_decode_multi_2' for 'sm_90'\n\
+             ptxas info    : Function properties for qmk_decode_multi_2\n\
+             ptxas         .     16 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        );
+        let r = parse_ptxas_log(&log);
+        assert_eq!(r.len(), 2);
+        assert_eq!((r[0].stack_bytes, r[0].spill_stores), (8, 4));
+        assert_eq!(
+            (r[1].function.as_str(), r[1].stack_bytes),
+            ("qmk_decode_multi_2", 16)
+        );
     }
 }

@@ -102,6 +102,32 @@ pub fn decode_stage_floats(h: u64, q: u64, i: u64) -> [u64; 4] {
     [normed, o_proj, normed, down]
 }
 
+/// Smallest hidden size whose down phase runs on tensor cores (7B and up):
+/// there a T-token step costs about what a one-token step costs, since
+/// every token's sums come from the same MMAs. At 0.5B the tensor-core
+/// step is 2.6x slower than the CUDA-core one (short phases wait on
+/// latency); 1.5B and 3B are not measured yet and keep CUDA cores.
+pub const TC_MIN_HIDDEN: usize = 3072;
+
+/// The tensor-core plan of `config`'s down phase ([`qmk_layout::TcPlan`],
+/// on [`qmk_layout::TC_MACHINE_SM90`]) where its hidden size is at least
+/// [`TC_MIN_HIDDEN`] and the plan takes its shape; None keeps down on CUDA
+/// cores. Whether a build uses it also depends on the arch and the ranks
+/// ([`KernelBuild::tensor_core_down`]); the device scratch is sized from
+/// this.
+pub fn tc_down_plan(config: &Config) -> Option<qmk_layout::TcPlan> {
+    if config.hidden_size < TC_MIN_HIDDEN {
+        return None;
+    }
+    qmk_layout::TcPlan::new(
+        "down_proj",
+        config.hidden_size as u64,
+        config.intermediate_size as u64,
+        &qmk_layout::TC_MACHINE_SM90,
+    )
+    .ok()
+}
+
 /// Everything that goes into compiling the megakernel for one model.
 #[derive(Debug, Clone)]
 pub struct KernelBuild {
@@ -140,16 +166,26 @@ pub struct KernelBuild {
     /// Ranks of the tensor-parallel group the build is for (1: one GPU;
     /// [`KernelBuild::for_rank`]).
     pub(crate) tp_ranks: u32,
+    /// Whether the build asks for the tensor-core weight phases
+    /// ([`KernelBuild::with_tensor_cores`]; rendered into the plan header,
+    /// so the fingerprint tells the two apart).
+    pub(crate) tensor_cores: bool,
 }
 
 impl KernelBuild {
     /// Dynamic shared memory per CTA of the decode kernel as compiled for
     /// `arch`, bytes.
     pub fn smem_for(&self, arch: crate::Arch) -> u32 {
-        let base = if attn_ring(arch) == 16 {
+        let ring = if attn_ring(arch) == 16 {
             self.smem_floats.1
         } else {
             self.smem_floats.0
+        };
+        // The tensor-core down phase's planes and partials (both steps run
+        // it with one plan).
+        let base = match self.tensor_core_down(arch) {
+            Some(p) => ring.max(p.machine.smem_bytes() / 4),
+            None => ring,
         };
         let cap = u64::from(arch.max_smem_per_cta()) / 4;
         let f = self
@@ -168,12 +204,49 @@ impl KernelBuild {
     /// `QMK_SMEM_FLOATS`), and the multi-token step's shared memory and
     /// largest token count (`QMK_MT_SMEM_FLOATS`, `QMK_MT_MAX_TOKENS`).
     pub fn arch_options(&self, arch: crate::Arch) -> Vec<String> {
-        vec![
+        let mut o = vec![
             format!("-DQMK_ATTN_RING={}", attn_ring(arch)),
             format!("-DQMK_SMEM_FLOATS={}", self.smem_for(arch) / 4),
             format!("-DQMK_MT_SMEM_FLOATS={}", self.multi_smem_for(arch) / 4),
             format!("-DQMK_MT_MAX_TOKENS={}", self.multi_max_tokens(arch)),
-        ]
+        ];
+        match self.tensor_core_down(arch) {
+            None => o.push("-DQMK_TC_DOWN=0".to_string()),
+            Some(p) => {
+                let m = p.machine;
+                o.extend([
+                    "-DQMK_TC_DOWN=1".to_string(),
+                    format!("-DQMK_TC_GRID={}", m.grid),
+                    format!("-DQMK_TC_TMAX={}", m.tmax),
+                    format!("-DQMK_TC_INPUT_BYTES={}", m.input_bytes),
+                    format!("-DQMK_TC_PART_BYTES={}", m.part_bytes),
+                    format!("-DQMK_TC_STAGED={}", u8::from(m.staged)),
+                    format!("-DQMK_TC_DOWN_NKB={}", p.nkb),
+                    format!("-DQMK_TC_DOWN_SLOTS={}", p.slots),
+                    format!("-DQMK_TC_DOWN_MAXLT={}", p.maxlt),
+                    format!("-DQMK_TC_BCNT_OFF={}", p.bcnt_offset()),
+                    format!("-DQMK_TC_PART_OFF={}", p.part_offset()),
+                    format!("-DQMK_TC_BPART_OFF={}", p.bpart_offset()),
+                ]);
+            }
+        }
+        o
+    }
+
+    /// The down phase's tensor-core plan where the build for `arch` runs
+    /// it ([`tc_down_plan`]): one GPU (a tensor-parallel rank keeps CUDA
+    /// cores) on sm_90, whose shared memory holds the planned machine.
+    /// Then the weight upload stores `down_proj` in tile order
+    /// ([`qmk_layout::to_tile_order`]) and the prefill reads it so.
+    pub fn tensor_core_down(&self, arch: crate::Arch) -> Option<qmk_layout::TcPlan> {
+        if !self.tensor_cores || self.tp_ranks != 1 || !arch.has_wgmma() {
+            return None;
+        }
+        let p = tc_down_plan(&self.config)?;
+        // Beside the multi-token step's static shared memory.
+        (p.machine.smem_bytes() + u64::from(MULTI_STATIC_SMEM)
+            <= u64::from(arch.max_smem_per_cta()))
+        .then_some(p)
     }
 
     /// Dynamic shared memory per CTA of the multi-token step on `arch`,
@@ -279,7 +352,40 @@ impl KernelBuild {
     /// Renders the headers for a given plan (tests force other plans).
     pub fn with_plan(config: &Config, plan: ModelPlan) -> Result<KernelBuild> {
         let rows = config.vocab_size as u64;
-        Self::with_plan_tp(config, plan, 1, rows)
+        Self::with_plan_tp(config, plan, 1, rows, false)
+    }
+
+    /// The same build with the tensor-core weight phases asked for (`on`)
+    /// or not: from [`TC_MIN_HIDDEN`] up, on sm_90, the MLP's down and
+    /// gate/up run on tensor cores in both decode steps
+    /// ([`KernelBuild::tensor_core_down`]), the upload stores their
+    /// weights in tile order and the prefill reads them so. Off by
+    /// default: the phases are built and checked on the host, and wait for
+    /// their GPU validation (docs/decisions, 0051). A tensor-parallel rank
+    /// keeps CUDA cores.
+    pub fn with_tensor_cores(&self, on: bool) -> Result<KernelBuild> {
+        if on == self.tensor_cores {
+            return Ok(self.clone());
+        }
+        if self.tp_ranks != 1 {
+            return Err(KernelsError::Config {
+                field: "tensor_cores",
+                reason: "a tensor-parallel rank keeps its weight phases on CUDA cores".into(),
+            });
+        }
+        Self::with_plan_tp(
+            &self.config,
+            self.plan.clone(),
+            1,
+            self.config.vocab_size as u64,
+            on,
+        )
+    }
+
+    /// Whether the build asks for the tensor-core weight phases
+    /// ([`KernelBuild::with_tensor_cores`]).
+    pub fn tensor_cores(&self) -> bool {
+        self.tensor_cores
     }
 
     /// [`KernelBuild::with_plan`] for one rank of `ranks` (1: one GPU):
@@ -290,6 +396,7 @@ impl KernelBuild {
         plan: ModelPlan,
         ranks: u32,
         embed_rows: u64,
+        tensor_cores: bool,
     ) -> Result<KernelBuild> {
         config.validate()?;
         let h = dim("hidden_size", config.hidden_size)?;
@@ -458,6 +565,13 @@ impl KernelBuild {
         // exchanges out of one-GPU builds, and its prefill and multi-token
         // entries out of rank builds.
         plan_header.push_str(&format!("#define QMK_TP_RANKS {ranks}\n"));
+        // Whether the tensor-core phases were asked for (the arch decides
+        // whether they run: QMK_TC_DOWN); here, so the fingerprint of a
+        // build that stores weights in tile order differs.
+        plan_header.push_str(&format!(
+            "#define QMK_TENSOR_CORES {}\n",
+            u8::from(tensor_cores)
+        ));
         let params_check = params_check_header();
 
         let mut hasher = Sha256::new();
@@ -498,6 +612,7 @@ impl KernelBuild {
             },
             prefill_barriers: pf_barriers as u32,
             tp_ranks: ranks,
+            tensor_cores,
         })
     }
 
@@ -569,11 +684,15 @@ mod tests {
         use crate::Arch;
         // 7B: the activation vector [18,944] f32 on sm_80 / sm_89 and below;
         // on sm_90 the ring of 16 x 16-byte slots per lane (128 KB) and q
-        // [7, 128] f32 are larger.
+        // [7, 128] f32 are larger; with the tensor-core phases, on sm_90
+        // their 164 KB of planes and 32 KB of partials are larger still.
         let b = KernelBuild::new(&Config::preset("7b").unwrap()).unwrap();
         assert_eq!(b.smem_for(Arch::SM89), 18_944 * 4);
         assert_eq!(b.smem_for(Arch::SM90), (7 * 128 + 16 * 16 * 32 * 4) * 4);
         assert_eq!(b.smem_for(Arch::SM80), b.smem_for(Arch::SM90));
+        let tc = b.with_tensor_cores(true).unwrap();
+        assert_eq!(tc.smem_for(Arch::SM90), 196 * 1024);
+        assert_eq!(tc.smem_for(Arch::SM80), b.smem_for(Arch::SM80));
         // The multi-token step: sm_89's 99 KB less its static reserve,
         // 24,320 floats, six normed vectors [3,584].
         assert_eq!(
@@ -582,7 +701,8 @@ mod tests {
                 "-DQMK_ATTN_RING=8",
                 "-DQMK_SMEM_FLOATS=18944",
                 "-DQMK_MT_SMEM_FLOATS=24320",
-                "-DQMK_MT_MAX_TOKENS=6"
+                "-DQMK_MT_MAX_TOKENS=6",
+                "-DQMK_TC_DOWN=0"
             ]
         );
         // The ring never pushes a preset past its arch's limit: it fits
@@ -600,6 +720,71 @@ mod tests {
                     "{preset} {arch}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn down_runs_on_tensor_cores_from_7b_on_one_sm_90_gpu() {
+        use crate::Arch;
+        let build = |preset: &str| {
+            KernelBuild::new(&Config::preset(preset).unwrap())
+                .unwrap()
+                .with_tensor_cores(true)
+                .unwrap()
+        };
+        for preset in ["0.5b", "1.5b", "3b"] {
+            assert!(
+                tc_down_plan(&Config::preset(preset).unwrap()).is_none(),
+                "{preset}"
+            );
+            assert!(
+                build(preset).tensor_core_down(Arch::SM90).is_none(),
+                "{preset}"
+            );
+        }
+        for preset in ["7b", "14b", "32b", "72b"] {
+            let b = build(preset);
+            let p = b.tensor_core_down(Arch::SM90).expect(preset);
+            assert_eq!(
+                (p.rows, p.k),
+                (
+                    b.config.hidden_size as u64,
+                    b.config.intermediate_size as u64
+                )
+            );
+            // Not before sm_90 (its shared memory does not hold the machine),
+            // nor on a tensor-parallel rank.
+            assert!(b.tensor_core_down(Arch::SM80).is_none(), "{preset}");
+            assert!(b.tensor_core_down(Arch::SM89).is_none(), "{preset}");
+            let rank = KernelBuild::for_rank(&b.config, 2).unwrap();
+            assert!(rank.tensor_core_down(Arch::SM90).is_none(), "{preset}");
+            assert!(rank
+                .arch_options(Arch::SM90)
+                .contains(&"-DQMK_TC_DOWN=0".to_string()));
+            assert!(rank.with_tensor_cores(true).is_err(), "{preset}");
+            // Asked for or not: another fingerprint, and off by default.
+            let off = b.with_tensor_cores(false).unwrap();
+            assert!(off.tensor_core_down(Arch::SM90).is_none(), "{preset}");
+            assert_ne!(off.fingerprint, b.fingerprint, "{preset}");
+            assert_eq!(
+                off.fingerprint,
+                KernelBuild::new(&b.config).unwrap().fingerprint
+            );
+            // The kernel gets the plan's numbers, and the launch the shared
+            // memory they take.
+            let o = b.arch_options(Arch::SM90);
+            for want in [
+                "-DQMK_TC_DOWN=1".to_string(),
+                format!("-DQMK_TC_DOWN_NKB={}", p.nkb),
+                format!("-DQMK_TC_DOWN_SLOTS={}", p.slots),
+                format!("-DQMK_TC_PART_OFF={}", p.part_offset()),
+            ] {
+                assert!(o.contains(&want), "{preset}: {want} not in {o:?}");
+            }
+            assert!(
+                u64::from(b.smem_for(Arch::SM90)) >= p.machine.smem_bytes(),
+                "{preset}"
+            );
         }
     }
 

@@ -189,6 +189,11 @@ pub struct KernelParams {
     /// Epoch before this step's first exchange: exchange k of the step
     /// (0 ..= 2L) publishes `tp_epoch + k + 1` (wrapping).
     pub tp_epoch: u32,
+    /// The tensor-core down phase's scratch (device address; sized and laid
+    /// out by [`qmk_layout::TcPlan::scratch_bytes`]): tile and block
+    /// counters, then the tiles' partial sums and the block sums. Unused
+    /// where the build keeps down on CUDA cores.
+    pub tc_scratch: u64,
 }
 
 /// Most sequence blocks per kv head of the split attention (`qmk::kAttnMaxSplits`).
@@ -524,6 +529,7 @@ pub fn params_check_header() -> String {
             tp_peer[0],
             tp_rank,
             tp_epoch,
+            tc_scratch,
         ]
     );
     // `base` is at offset 0; its size is asserted through `tokens`' offset.
@@ -663,7 +669,7 @@ mod tests {
     fn sizes_are_what_the_cuda_twin_expects() {
         assert_eq!(
             size_of::<KernelParams>(),
-            15 * MAX_CHUNKS * 8 + 18 * 8 + 6 * 4 + TP_MAX_RANKS * 8 + 2 * 4
+            15 * MAX_CHUNKS * 8 + 18 * 8 + 6 * 4 + TP_MAX_RANKS * 8 + 2 * 4 + 8
         );
         assert_eq!(size_of::<SyncState>(), 32);
         assert_eq!(size_of::<HostStatus>(), 32);

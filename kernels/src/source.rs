@@ -29,6 +29,7 @@ pub const HEADERS: &[(&str, &str)] = headers!(
     "core/kv_cache.cuh",
     "core/barrier.cuh",
     "decode/matvec.cuh",
+    "decode/tc_phase.cuh",
     "decode/embed.cuh",
     "decode/tp.cuh",
     "decode/rms_norm.cuh",

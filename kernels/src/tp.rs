@@ -88,7 +88,7 @@ impl KernelBuild {
                 reason: "no rank plans".into(),
             })?;
         let rank = rank_config(config, ranks);
-        KernelBuild::with_plan_tp(&rank, plan, ranks as u32, config.vocab_size as u64)
+        KernelBuild::with_plan_tp(&rank, plan, ranks as u32, config.vocab_size as u64, false)
     }
 
     /// Ranks of the tensor-parallel group this build is for (1: one GPU).

@@ -23,9 +23,12 @@ fn megakernel_compiles_for_every_preset_and_arch() {
     let Some(c) = compiler() else { return };
     let (maj, min) = c.nvrtc().version();
     println!("NVRTC {maj}.{min} from {}", c.nvrtc().path().display());
-    let jobs: Vec<(&str, Arch)> = ["0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b"]
+    // Every preset on every arch, then the tensor-core phases where they
+    // run (7B up, sm_90).
+    let jobs: Vec<(&str, Arch, bool)> = ["0.5b", "1.5b", "3b", "7b", "14b", "32b", "72b"]
         .into_iter()
-        .flat_map(|preset| Arch::CI.into_iter().map(move |arch| (preset, arch)))
+        .flat_map(|preset| Arch::CI.into_iter().map(move |arch| (preset, arch, false)))
+        .chain(["7b", "14b", "32b", "72b"].map(|p| (p, Arch::SM90, true)))
         .collect();
     // The compiles are independent and single-threaded each: one per core
     // (CI's two cores take about half the time of one after another).
@@ -38,10 +41,10 @@ fn megakernel_compiles_for_every_preset_and_arch() {
         for _ in 0..workers {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(&(preset, arch)) = jobs.get(i) else {
+                let Some(&(preset, arch, tc)) = jobs.get(i) else {
                     break;
                 };
-                *reports[i].lock().unwrap() = compile_report(&c, preset, arch);
+                *reports[i].lock().unwrap() = compile_report(&c, preset, arch, tc);
             });
         }
     });
@@ -52,9 +55,18 @@ fn megakernel_compiles_for_every_preset_and_arch() {
 
 /// Compiles `preset` for `arch` and describes its kernels' resources
 /// (panics naming both on failure).
-fn compile_report(c: &Compiler, preset: &str, arch: Arch) -> String {
+fn compile_report(c: &Compiler, preset: &str, arch: Arch, tensor_cores: bool) -> String {
     let config = Config::preset(preset).unwrap();
-    let build = KernelBuild::new(&config).unwrap();
+    let build = KernelBuild::new(&config)
+        .unwrap()
+        .with_tensor_cores(tensor_cores)
+        .unwrap();
+    assert_eq!(
+        build.tensor_core_down(arch).is_some(),
+        tensor_cores,
+        "{preset} {arch}"
+    );
+    let tc = if tensor_cores { " tc" } else { "" };
     let cubin = c
         .compile(&build, arch)
         .unwrap_or_else(|e| panic!("{preset} {arch}: {e}"));
@@ -65,7 +77,7 @@ fn compile_report(c: &Compiler, preset: &str, arch: Arch) -> String {
         .find(|r| r.function == "qmk_decode_step")
         .unwrap_or_else(|| panic!("{preset} {arch}: no ptxas report:\n{}", cubin.log));
     let mut out = format!(
-        "{preset:>5} {arch}: {} regs, {} B spill st, {} B spill ld, {} B stack, {} B static smem + {} B dynamic, {} barriers/step\n",
+        "{preset:>5} {arch}{tc}: {} regs, {} B spill st, {} B spill ld, {} B stack, {} B static smem + {} B dynamic, {} barriers/step\n",
         main.registers,
         main.spill_stores,
         main.spill_loads,

@@ -85,6 +85,12 @@ pub struct BenchArgs {
     /// Cap CTAs per SM (default: the occupancy API's answer).
     #[arg(long, allow_negative_numbers = true, value_parser = whole::<u32>(1..=64))]
     ctas_per_sm: Option<u32>,
+    /// Run the MLP's down and gate/up on tensor cores (7B and up, sm_90;
+    /// other models and GPUs are unchanged): the multi-token step then
+    /// costs about a one-token step. Not yet validated on a GPU, so off
+    /// by default; it changes the logits' bits.
+    #[arg(long, conflicts_with = "tp")]
+    tensor_cores: bool,
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0, allow_negative_numbers = true,
           value_parser = whole::<usize>(0..=i32::MAX as i64))]
@@ -332,6 +338,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         cubin: a.cubin.clone(),
         ctas_per_sm: a.ctas_per_sm,
         prefill_chunk,
+        tensor_cores: a.tensor_cores,
         upload: UploadOptions {
             buffers: a.upload_buffers,
             buffer_bytes: a.upload_buffer_mib.saturating_mul(1 << 20),
@@ -680,6 +687,7 @@ fn report_json(
         "context": r.context,
         "first_timed_pos": r.first_timed_pos,
         "kernel_flags": a.kernel_flags,
+        "tensor_cores": a.tensor_cores,
         "barriers_per_step": r.barriers_per_step,
         "grid": r.grid,
         "ctas_per_sm": r.ctas_per_sm,

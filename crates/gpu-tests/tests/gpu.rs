@@ -66,11 +66,35 @@ fn reference_run(preset: &str, w: &Arc<Weights>) -> Arc<RefRun> {
 /// argmax of its own logits and the CPU reference's pick, and its logits are
 /// within 1e-2 relative error of the reference's.
 fn matches_reference<D: Driver>(preset: &str) {
-    let test = format!("{preset} {} vs CPU reference", D::NAME);
+    matches_reference_with::<D>(preset, false);
+}
+
+/// [`matches_reference`] with the tensor-core weight phases
+/// (`Options::tensor_cores`), which must really run on the device; then the
+/// prompt again through the prefill kernel, which reads their tile-order
+/// weights: its last position's logits within the same bound.
+fn tensor_cores_match_reference<D: Driver>(preset: &str) {
+    matches_reference_with::<D>(preset, true);
+}
+
+fn matches_reference_with<D: Driver>(preset: &str, tensor_cores: bool) {
+    let tc = if tensor_cores { ", tensor cores" } else { "" };
+    let test = format!("{preset} {}{tc} vs CPU reference", D::NAME);
     let Some(_g) = gpu_or_skip(&test) else { return };
     let w = weights(preset);
     let r = reference_run(preset, &w);
-    let mut gpu: GpuBackend<D> = open(&w, with_capacity(CAPACITY));
+    let opts = Options {
+        tensor_cores,
+        ..with_capacity(CAPACITY)
+    };
+    let mut gpu: GpuBackend<D> = open(&w, opts);
+    if tensor_cores {
+        assert!(
+            gpu.kernel_build().tensor_core_down(gpu.arch()).is_some(),
+            "{test}: the tensor-core phases do not run on {}",
+            describe(&gpu)
+        );
+    }
     let mut max_err = 0f64;
     for pos in 0..STEPS {
         let token = r.tokens[pos];
@@ -96,6 +120,19 @@ fn matches_reference<D: Driver>(preset: &str) {
         }
     }
     println!("{test}: {GREEDY_STEPS} greedy steps, ids equal, max rel err {max_err:.3e}");
+    if tensor_cores {
+        gpu.reset().unwrap();
+        let n = PROMPT.len();
+        let out = gpu.prefill(&r.tokens[..n], 0).unwrap();
+        let lg = gpu.logits().unwrap();
+        let e = rel_err(&lg, &r.logits[n - 1]);
+        assert!(
+            e <= TOL,
+            "{test}: prefill: relative logits error {e:.3e} > {TOL}"
+        );
+        assert_eq!(out.argmax, argmax(&r.logits[n - 1]), "{test}: prefill pick");
+        println!("{test}: prefill of {n} tokens, rel err {e:.3e}");
+    }
 }
 
 /// Same run twice: bit-identical logits; a prompt fed as queued decode
@@ -230,6 +267,11 @@ fn drivers_agree(preset: &str) {
 both!(a_errors_and_determinism, errors_and_determinism);
 both!(b_0_5b_matches_reference, matches_reference, "0.5b");
 both!(c_7b_matches_reference, matches_reference, "7b");
+both!(
+    c_7b_tensor_cores_match_reference,
+    tensor_cores_match_reference,
+    "7b"
+);
 
 #[test]
 fn b_0_5b_drivers_bit_identical() {

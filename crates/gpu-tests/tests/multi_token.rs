@@ -5,8 +5,9 @@
 //! the split attention's threshold (a run's first tokens on one path, its
 //! last on the other) and past it; at the 0.5B, 7B and 32B shapes (7B from
 //! T = 4 and 32B from T = 3 run the MLP's down in column chunks); and its
-//! timeline (`bench --multi-tokens --profile`) is whole for every T. Skips
-//! with a printed reason when there is no device.
+//! timeline (`bench --multi-tokens --profile`) is whole for every T; the
+//! same with the tensor-core weight phases at 7B and 32B. Skips with a
+//! printed reason when there is no device.
 
 use qmk_gpu_tests::*;
 
@@ -31,8 +32,25 @@ fn bits_hash(row: &[f32]) -> u64 {
 /// steps (after a prefill of the positions before `start`), then the same
 /// positions again in multi-token runs, compared position by position.
 fn multi_equals_single<D: Driver + 'static>(preset: &str, start: usize, len: usize) {
+    multi_equals_single_with::<D>(preset, start, len, false);
+}
+
+/// [`multi_equals_single`] with the tensor-core weight phases
+/// (`Options::tensor_cores`), which must really run on the device: their
+/// sums come from the same MMAs at every T.
+fn tensor_cores_multi_equals_single<D: Driver + 'static>(preset: &str, start: usize, len: usize) {
+    multi_equals_single_with::<D>(preset, start, len, true);
+}
+
+fn multi_equals_single_with<D: Driver + 'static>(
+    preset: &str,
+    start: usize,
+    len: usize,
+    tensor_cores: bool,
+) {
     let test = format!(
-        "multi-token == one-token steps, {preset} at {start}..+{len} ({})",
+        "multi-token == one-token steps, {preset}{} at {start}..+{len} ({})",
+        if tensor_cores { " on tensor cores" } else { "" },
         D::NAME
     );
     let Some(_g) = gpu_or_skip(&test) else { return };
@@ -47,8 +65,19 @@ fn multi_equals_single<D: Driver + 'static>(preset: &str, start: usize, len: usi
         &*held
     };
     let v = source.config().vocab_size;
-    let mut gpu = GpuBackend::<D>::from_source(source, with_capacity(cap), &mut ())
+    let opts = qmk_gpu::Options {
+        tensor_cores,
+        ..with_capacity(cap)
+    };
+    let mut gpu = GpuBackend::<D>::from_source(source, opts, &mut ())
         .unwrap_or_else(|e| panic!("{test}: {e}"));
+    if tensor_cores {
+        assert!(
+            gpu.kernel_build().tensor_core_down(gpu.arch()).is_some(),
+            "{test}: the tensor-core phases do not run on {}",
+            describe(&gpu)
+        );
+    }
     let max = gpu.multi_max_tokens();
     assert!(
         max >= 2,
@@ -117,6 +146,20 @@ both!(multi_7b_split_threshold, multi_equals_single, "7b", 490, 40);
 #[test]
 fn multi_32b_split_threshold() {
     multi_equals_single::<CudarcDriver>("32b", 470, 64);
+}
+
+both!(
+    multi_7b_tensor_cores_short,
+    tensor_cores_multi_equals_single,
+    "7b",
+    0,
+    64
+);
+
+/// The tensor-core phases at 32B (six column blocks in down), one driver.
+#[test]
+fn multi_32b_tensor_cores_split_threshold() {
+    tensor_cores_multi_equals_single::<CudarcDriver>("32b", 470, 64);
 }
 
 /// `bench --multi-tokens --profile`: every T's launches stamp a whole

@@ -9,7 +9,7 @@ use qmk_kernels::{
     source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, MultiParams, PrefillParams,
     Resources, ATTN_TILE, THREADS_PER_CTA,
 };
-use qmk_model::{Config, Weights};
+use qmk_model::{Config, WeightKind, Weights};
 
 use crate::cuda::{describe_cubin, CudaCode};
 use crate::driver::{device_info, DeviceMemory, Driver, LaunchShape, TensorMap2d};
@@ -20,7 +20,9 @@ use crate::plan::{
     prefill_launch_params, set_buffer, set_multi_buffer, set_prefill_buffer, Buffer, LaunchInfo,
     MemoryPlan, KV_MAPS_BYTES,
 };
-use crate::staging::{planned_chunks, tie_embeddings, WeightSource, UPLOAD_PIECE_BYTES};
+use crate::staging::{
+    planned_chunks, tie_embeddings, tile_chunks, WeightSource, UPLOAD_PIECE_BYTES,
+};
 use crate::status::StatusBlock;
 use crate::upload::{upload_weights, UploadStats};
 
@@ -239,6 +241,69 @@ fn check_free(config: &Config, capacity: u32, plan: &MemoryPlan, free: u64) -> R
     })
 }
 
+/// The scratch buffers of one memory plan: the sync and logits buffers,
+/// which the backend keeps apart, and the rest.
+struct ScratchBuffers<D: Driver> {
+    rest: Vec<D::Memory>,
+    sync: D::Memory,
+    logits: D::Memory,
+}
+
+/// The scratch buffers of `memory` ([`MemoryPlan::buffers`]), allocated in
+/// plan order with their addresses set in `params`: the rope tables and,
+/// where `arch` has bulk tensor copies, the KV descriptors uploaded; every
+/// other buffer zeroed (the kernel relies on zeroed counters, the caches
+/// and the tensor-core scratch among them).
+fn alloc_buffers<D: Driver>(
+    d: &D,
+    config: &Config,
+    capacity: u32,
+    arch: Arch,
+    memory: &MemoryPlan,
+    rope: &qmk_model::reference::Rope,
+    params: &mut KernelParams,
+) -> Result<ScratchBuffers<D>> {
+    let mut buffers = Vec::with_capacity(memory.buffers.len() + memory.prefill.len());
+    let (mut sync, mut logits) = (None, None);
+    for &(b, bytes) in &memory.buffers {
+        // The caches come first in the plan: their addresses are set
+        // when the descriptors are encoded.
+        let maps;
+        let table: Option<&[u8]> = match b {
+            Buffer::RopeCos => Some(bytemuck::cast_slice(&rope.cos)),
+            Buffer::RopeSin => Some(bytemuck::cast_slice(&rope.sin)),
+            Buffer::KvMaps if arch.has_bulk_tensor_copies() => {
+                maps = kv_maps(d, config, capacity, params)?;
+                Some(&maps)
+            }
+            _ => None,
+        };
+        let buf = alloc(d, bytes, b.name(), table.is_none())?;
+        if let Some(src) = table {
+            if src.len() as u64 != bytes {
+                return Err(Error::Overflow(format!(
+                    "{}: the host table has {} bytes, the plan {bytes}",
+                    b.name(),
+                    src.len()
+                )));
+            }
+            // SAFETY: buf holds `bytes` = src.len() bytes.
+            unsafe { upload(d, buf.addr(), src, &mut ()) }?;
+        }
+        set_buffer(params, b, buf.addr());
+        match b {
+            Buffer::Sync => sync = Some(buf),
+            Buffer::Logits => logits = Some(buf),
+            _ => buffers.push(buf),
+        }
+    }
+    Ok(ScratchBuffers {
+        rest: buffers,
+        sync: sync.expect("the memory plan has a sync buffer"),
+        logits: logits.expect("the memory plan has a logits buffer"),
+    })
+}
+
 /// The split attention's bulk tensor copy descriptors
 /// ([`KernelParams::kv_maps`]): the K and V caches at `params`' addresses
 /// as 2-D bf16 tensors of L x `capacity` rows (positions of every layer) by
@@ -382,7 +447,8 @@ impl<D: Driver> GpuBackend<D> {
             (Some(r), _) => r.build.clone(),
             (None, Some(plan)) => KernelBuild::with_plan(&config, plan.clone())?,
             (None, None) => KernelBuild::new(&config)?,
-        };
+        }
+        .with_tensor_cores(opts.tensor_cores)?;
         if rank.is_some() {
             opts.prefill_chunk = None;
         }
@@ -455,7 +521,21 @@ impl<D: Driver> GpuBackend<D> {
             None => Ok(Compiler::new()?),
         };
         let mut params = base_params(&config, capacity, opts.spin_timeout);
-        let chunks = planned_chunks(&build)?;
+        let mut chunks = planned_chunks(&build)?;
+        if let Some(tc) = build.tensor_core_down(info.arch) {
+            // The tensor-core down phase loads its weights in tile order.
+            let down = WeightKind::DownProj.name();
+            if (tc.rows, tc.k) != (config.hidden_size as u64, config.intermediate_size as u64) {
+                return Err(Error::Weights {
+                    tensor: down.into(),
+                    reason: format!(
+                        "the tensor-core plan is for [{}, {}], the model's down_proj is [{}, {}]",
+                        tc.rows, tc.k, config.hidden_size, config.intermediate_size
+                    ),
+                });
+            }
+            tile_chunks(&build, &mut chunks, down, &tc)?;
+        }
         let arch = info.arch;
         let (cubin, compile_time, uploaded) = std::thread::scope(|s| {
             let build = &build;
@@ -607,42 +687,19 @@ impl<D: Driver> GpuBackend<D> {
             config.head_dim(),
             opts.capacity,
         );
-        let mut buffers = Vec::with_capacity(memory.buffers.len() + memory.prefill.len());
-        let (mut sync, mut logits) = (None, None);
-        for &(b, bytes) in &memory.buffers {
-            // The caches come first in the plan: their addresses are set
-            // when the descriptors are encoded.
-            let maps;
-            let table: Option<&[u8]> = match b {
-                Buffer::RopeCos => Some(bytemuck::cast_slice(&rope.cos)),
-                Buffer::RopeSin => Some(bytemuck::cast_slice(&rope.sin)),
-                Buffer::KvMaps if info.arch.has_bulk_tensor_copies() => {
-                    maps = kv_maps(&driver, &config, capacity, &params)?;
-                    Some(&maps)
-                }
-                _ => None,
-            };
-            let buf = alloc(&driver, bytes, b.name(), table.is_none())?;
-            if let Some(src) = table {
-                if src.len() as u64 != bytes {
-                    return Err(Error::Overflow(format!(
-                        "{}: the host table has {} bytes, the plan {bytes}",
-                        b.name(),
-                        src.len()
-                    )));
-                }
-                // SAFETY: buf holds `bytes` = src.len() bytes.
-                unsafe { upload(&driver, buf.addr(), src, &mut ()) }?;
-            }
-            set_buffer(&mut params, b, buf.addr());
-            match b {
-                Buffer::Sync => sync = Some(buf),
-                Buffer::Logits => logits = Some(buf),
-                _ => buffers.push(buf),
-            }
-        }
-        let sync = sync.expect("the memory plan has a sync buffer");
-        let logits = logits.expect("the memory plan has a logits buffer");
+        let ScratchBuffers {
+            rest: mut buffers,
+            sync,
+            logits,
+        } = alloc_buffers(
+            &driver,
+            &config,
+            capacity,
+            info.arch,
+            &memory,
+            &rope,
+            &mut params,
+        )?;
         let status = StatusBlock::new(&driver)?;
         params.status = status.device_ptr();
         let prefill = match (prefill_fn, prefill_chunk) {
@@ -1439,5 +1496,50 @@ mod tests {
         let err = kv_maps(&Mock, &config, 1 << 27, &params).unwrap_err();
         assert!(err.to_string().contains("kv_maps"), "{err}");
         assert!(kv_maps(&Mock, &config, (1 << 31) / 28, &params).is_ok());
+    }
+
+    /// Every scratch buffer but the uploaded tables starts zeroed (the mock
+    /// fills new allocations with 0xA5), the tensor-core scratch at its
+    /// planned size among them, and each address lands in its field.
+    #[test]
+    fn scratch_buffers_start_zeroed_with_their_addresses_set() {
+        let config = Config::preset("7b").unwrap();
+        let capacity = 16;
+        let memory = MemoryPlan::new(&config, capacity, 132, None).unwrap();
+        let rope = qmk_model::reference::Rope::from_spec(
+            &config.rope().unwrap(),
+            config.head_dim(),
+            capacity as usize,
+        );
+        let mut params = base_params(&config, capacity, Duration::from_secs(1));
+        let ScratchBuffers {
+            rest: buffers,
+            sync,
+            logits,
+        } = alloc_buffers(
+            &Mock,
+            &config,
+            capacity,
+            Arch::SM90,
+            &memory,
+            &rope,
+            &mut params,
+        )
+        .unwrap();
+        assert_eq!(buffers.len() + 2, memory.buffers.len());
+        let tc_bytes = crate::plan::tc_scratch_bytes(&config);
+        assert!(tc_bytes > 16);
+        with(|s| {
+            let at = |addr: u64| &s.mem[&addr];
+            let tc = at(params.tc_scratch);
+            assert_eq!(tc.len() as u64, tc_bytes);
+            assert!(tc.iter().all(|&b| b == 0), "tc_scratch is not zeroed");
+            for addr in [params.k_cache, params.attn_part, params.sync, params.x] {
+                assert!(at(addr).iter().all(|&b| b == 0), "{addr:#x}");
+            }
+            let cos: &[u8] = bytemuck::cast_slice(&rope.cos);
+            assert_eq!(at(params.rope_cos).as_slice(), cos);
+        });
+        assert_eq!((sync.addr(), logits.addr()), (params.sync, params.logits));
     }
 }

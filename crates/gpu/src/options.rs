@@ -46,6 +46,12 @@ pub struct Options {
     pub fit_capacity: bool,
     /// The pinned staging ring of the weight upload.
     pub upload: crate::upload::UploadOptions,
+    /// Run the MLP's weight phases on tensor cores from 7B up on sm_90
+    /// ([`qmk_kernels::KernelBuild::with_tensor_cores`]): a multi-token
+    /// step then costs about what a one-token step costs. Off by default:
+    /// built and checked on the host, not yet validated on a GPU. Refused
+    /// by tensor-parallel ranks.
+    pub tensor_cores: bool,
 }
 
 /// Default [`Options::prefill_chunk`]: positions per prefill launch.
@@ -77,6 +83,7 @@ impl Default for Options {
             prefill_min_tokens: DEFAULT_PREFILL_MIN_TOKENS,
             fit_capacity: false,
             upload: crate::upload::UploadOptions::default(),
+            tensor_cores: false,
         }
     }
 }

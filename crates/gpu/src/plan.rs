@@ -87,6 +87,9 @@ pub enum Buffer {
     /// `[2]` bulk tensor copy descriptors of the K and V caches
     /// ([`KernelParams::kv_maps`], [`KV_MAPS_BYTES`]).
     KvMaps,
+    /// The tensor-core down phase's counters and partial sums
+    /// ([`tc_scratch_bytes`]); starts zeroed like every scratch buffer.
+    TcScratch,
 }
 
 /// Bytes of [`Buffer::KvMaps`]: two 128-byte descriptors.
@@ -112,6 +115,7 @@ impl Buffer {
             Buffer::AttnPart => "attn_part",
             Buffer::Trace => "trace",
             Buffer::KvMaps => "kv_maps",
+            Buffer::TcScratch => "tc_scratch",
         }
     }
 }
@@ -135,6 +139,7 @@ pub fn set_buffer(params: &mut KernelParams, buffer: Buffer, addr: u64) {
         Buffer::AttnPart => &mut params.attn_part,
         Buffer::Trace => &mut params.trace,
         Buffer::KvMaps => &mut params.kv_maps,
+        Buffer::TcScratch => &mut params.tc_scratch,
     };
     *field = addr;
 }
@@ -396,6 +401,14 @@ pub fn trace_bytes(config: &Config, grid: u32) -> Result<u64> {
     barriers.checked_add(marks).ok_or_else(|| overflow(what))
 }
 
+/// Bytes of [`Buffer::TcScratch`]: the scratch of `config`'s tensor-core
+/// down plan ([`qmk_kernels::tc_down_plan`]), or 16 bytes where there is
+/// none. Sized from the config alone, so a build whose arch keeps down on
+/// CUDA cores still has a valid (unused) address to pass.
+pub fn tc_scratch_bytes(config: &Config) -> u64 {
+    qmk_kernels::tc_down_plan(config).map_or(16, |p| p.scratch_bytes())
+}
+
 /// Bytes of the split-attention scratch (`KernelParams::attn_part`):
 /// tickets `[L, KVH]` u32 padded to 4 words, then `[HEADS, S, D]` f32
 /// (block accumulators, 16-byte aligned) and `[HEADS, S, 2]` f32 (block
@@ -518,6 +531,7 @@ impl MemoryPlan {
             (Buffer::AttnPart, attn_part_bytes(config, grid)?),
             (Buffer::Trace, trace_bytes(config, grid)?),
             (Buffer::KvMaps, KV_MAPS_BYTES),
+            (Buffer::TcScratch, tc_scratch_bytes(config)),
         ];
         let mut prefill = Vec::new();
         if let Some(t) = prefill_chunk {
@@ -750,5 +764,30 @@ mod tests {
             (100, 512, 512, 4)
         );
         assert_eq!(p.base.kv_capacity, 4096);
+    }
+
+    #[test]
+    fn tc_scratch_is_the_down_plans_or_16_bytes() {
+        let c7 = Config::preset("7b").unwrap();
+        let tc = qmk_kernels::tc_down_plan(&c7).expect("7B runs down on tensor cores");
+        let want = tc.scratch_bytes();
+        assert!(want > 16, "{want}");
+        assert_eq!(tc_scratch_bytes(&c7), want);
+        let c05 = Config::preset("0.5b").unwrap();
+        assert!(qmk_kernels::tc_down_plan(&c05).is_none());
+        assert_eq!(tc_scratch_bytes(&c05), 16);
+        for (c, bytes) in [(&c7, want), (&c05, 16)] {
+            let plan = MemoryPlan::new(c, 4096, 132, Some(512)).unwrap();
+            let tc: Vec<_> = plan
+                .buffers
+                .iter()
+                .filter(|&&(b, _)| b == Buffer::TcScratch)
+                .collect();
+            assert_eq!(tc, [&(Buffer::TcScratch, bytes)]);
+        }
+        let mut p: KernelParams = bytemuck::Zeroable::zeroed();
+        set_buffer(&mut p, Buffer::TcScratch, 0x5c00);
+        assert_eq!(p.tc_scratch, 0x5c00);
+        assert_eq!(Buffer::TcScratch.name(), "tc_scratch");
     }
 }

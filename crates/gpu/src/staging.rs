@@ -11,6 +11,7 @@
 
 use half::bf16;
 use qmk_kernels::{KernelBuild, KernelParams};
+use qmk_layout::{from_tile_order, to_tile_order, Layout, TcPlan, TILE_K, TILE_ROWS};
 use qmk_model::{CheckpointSource, Config, SyntheticSource, WeightKind, Weights};
 
 use crate::error::{Error, Result};
@@ -33,6 +34,13 @@ pub struct PlannedChunk {
     pub bytes: u64,
     /// Bytes of the whole tensor, as its layout spans them.
     pub tensor_bytes: u64,
+    /// `Some(k)`: the device holds this chunk in tile order
+    /// ([`qmk_layout::tile_order_offset`]) over rows of `k` elements, the
+    /// order a tensor-core phase loads; `None`: in the source's row-major
+    /// order. Sources always give row-major bytes; the upload permutes
+    /// each piece ([`PlannedChunk::to_device_order`]), so its pieces are
+    /// whole 16-row bands ([`PlannedChunk::band_bytes`]).
+    pub tile_k: Option<u64>,
 }
 
 impl PlannedChunk {
@@ -42,6 +50,136 @@ impl PlannedChunk {
             slots[self.chunk] = addr;
         }
     }
+
+    fn error(&self, reason: String) -> Error {
+        Error::Weights {
+            tensor: self.tensor.clone(),
+            reason,
+        }
+    }
+
+    /// Bytes of one 16-row band of a tile-order chunk (`None` for a
+    /// row-major one), checked: the row length is whole k-steps and the
+    /// chunk starts and ends on bands, so no piece of it splits one.
+    pub fn band_bytes(&self) -> Result<Option<u64>> {
+        let Some(k) = self.tile_k else {
+            return Ok(None);
+        };
+        if k == 0 || k % TILE_K != 0 {
+            return Err(self.error(format!(
+                "tile-order rows of {k} elements are not whole {TILE_K}-column k-steps"
+            )));
+        }
+        let band = k
+            .checked_mul(TILE_ROWS * 2)
+            .ok_or_else(|| Error::Overflow(format!("{}: a tile-order band", self.tensor)))?;
+        if self.offset % band != 0 || self.bytes % band != 0 {
+            return Err(self.error(format!(
+                "chunk {} (bytes {}..+{}) is not whole tile-order bands of {band} bytes",
+                self.chunk, self.offset, self.bytes
+            )));
+        }
+        Ok(Some(band))
+    }
+
+    /// The most bytes of this chunk one piece of an upload through staging
+    /// buffers of `buffer` bytes takes: the buffer's size rounded down to
+    /// even, and for a tile-order chunk to whole bands (the permutation
+    /// works band by band). A buffer smaller than one band is refused,
+    /// naming the tensor and the band's size.
+    pub fn piece_bytes(&self, buffer: usize) -> Result<usize> {
+        let even = buffer & !1;
+        let piece = match self.band_bytes()? {
+            None => even,
+            Some(band) => {
+                let band = usize::try_from(band)
+                    .map_err(|_| Error::Overflow(format!("{}: a tile-order band", self.tensor)))?;
+                if even < band {
+                    return Err(self.error(format!(
+                        "a staging buffer of {buffer} bytes cannot hold one tile-order band of \
+                         {band} bytes (16 rows); use buffers of at least {band} bytes"
+                    )));
+                }
+                even - even % band
+            }
+        };
+        if piece == 0 {
+            return Err(self.error(format!(
+                "a staging buffer of {buffer} bytes holds no whole bf16 element"
+            )));
+        }
+        Ok(piece)
+    }
+
+    /// Puts `piece`, row-major bytes of this chunk from the source
+    /// starting on a band, into the order the device holds the chunk in
+    /// (unchanged for a row-major chunk).
+    pub fn to_device_order(&self, piece: &mut [u8]) -> Result<()> {
+        self.permute(piece, to_tile_order)
+    }
+
+    /// The inverse of [`PlannedChunk::to_device_order`]: bytes read back
+    /// from the device (whole bands) into the source's row-major order.
+    pub fn from_device_order(&self, piece: &mut [u8]) -> Result<()> {
+        self.permute(piece, from_tile_order)
+    }
+
+    fn permute(
+        &self,
+        piece: &mut [u8],
+        f: fn(&mut [u8], usize) -> Result<(), qmk_layout::LayoutError>,
+    ) -> Result<()> {
+        if self.band_bytes()?.is_none() {
+            return Ok(());
+        }
+        let k = self
+            .tile_k
+            .and_then(|k| usize::try_from(k).ok())
+            .ok_or_else(|| Error::Overflow(format!("{}: a tile-order row", self.tensor)))?;
+        f(piece, k).map_err(|e| self.error(e.to_string()))
+    }
+}
+
+/// Marks every chunk of `plan`'s tensor `tensor` as held in tile order
+/// ([`PlannedChunk::tile_k`]) for the tensor-core phase `plan`, after
+/// checking that the kernel's plan stores the tensor as row-major `[L, N,
+/// K]` with the phase's N rows and K columns (the permutation assumes
+/// it) and that every chunk is whole bands.
+pub fn tile_chunks(
+    build: &KernelBuild,
+    chunks: &mut [PlannedChunk],
+    tensor: &str,
+    plan: &TcPlan,
+) -> Result<()> {
+    let bad = |reason: String| Error::Weights {
+        tensor: tensor.to_string(),
+        reason,
+    };
+    let t = build
+        .plan
+        .tensors
+        .iter()
+        .find(|t| t.spec.name == tensor)
+        .ok_or_else(|| bad("not in the kernel's plan".into()))?;
+    let layout = &t.spec.layout;
+    let shape = layout.shape();
+    if shape.len() != 3 || shape[1..] != [plan.rows, plan.k] || *layout != Layout::row_major(shape)?
+    {
+        return Err(bad(format!(
+            "the tensor-core phase needs a row-major [L, {}, {}] tensor, the plan has {layout}",
+            plan.rows, plan.k
+        )));
+    }
+    let mut found = false;
+    for c in chunks.iter_mut().filter(|c| c.tensor == tensor) {
+        c.tile_k = Some(plan.k);
+        c.band_bytes()?;
+        found = true;
+    }
+    if !found {
+        return Err(bad("the kernel addresses no chunk of it".into()));
+    }
+    Ok(())
 }
 
 /// The staging order: every chunk of every tensor the kernel addresses, in
@@ -71,6 +209,7 @@ pub fn planned_chunks(build: &KernelBuild) -> Result<Vec<PlannedChunk>> {
                 offset,
                 bytes,
                 tensor_bytes,
+                tile_k: None,
             });
         }
     }
@@ -184,15 +323,16 @@ impl WeightSource for CheckpointSource {
 }
 
 /// Reads all of `chunk` from `source` in pieces of at most `piece` bytes
-/// (even), handing each to `write(offset, bytes)`: the host-only form of the
-/// upload, for tests and tools.
+/// ([`PlannedChunk::piece_bytes`] of a buffer of `piece.max(2)` bytes),
+/// each in the chunk's device order, handing each to `write(offset,
+/// bytes)`: the host-only form of the upload, for tests and tools.
 pub fn read_chunk(
     source: &dyn WeightSource,
     chunk: &PlannedChunk,
     piece: usize,
     write: &mut dyn FnMut(u64, &[u8]) -> Result<()>,
 ) -> Result<()> {
-    let piece = (piece.max(2) & !1) as u64;
+    let piece = chunk.piece_bytes(piece.max(2))? as u64;
     // u16 storage keeps the buffer bf16-aligned.
     let mut buf = vec![0u16; (piece / 2) as usize];
     let mut at = 0u64;
@@ -200,6 +340,7 @@ pub fn read_chunk(
         let n = piece.min(chunk.bytes - at) as usize;
         let bytes: &mut [u8] = &mut bytemuck::cast_slice_mut(&mut buf)[..n];
         source.read(chunk, at, bytes)?;
+        chunk.to_device_order(bytes)?;
         write(at, bytes)?;
         at += n as u64;
     }
@@ -307,5 +448,78 @@ pub(crate) mod tests {
         short.q_proj.pop();
         let e = short.read(c, 0, b).unwrap_err();
         assert!(e.to_string().starts_with("weight tensor q_proj:"), "{e}");
+    }
+
+    fn tc(rows: usize, k: usize) -> TcPlan {
+        TcPlan::new(
+            "down_proj",
+            rows as u64,
+            k as u64,
+            &qmk_layout::TC_MACHINE_SM90,
+        )
+        .unwrap()
+    }
+
+    /// Only the named tensor's chunks are marked, with the phase's K, and
+    /// `read_chunk` then gives them in tile order: element (n, k) of layer
+    /// l at `tile_order_offset` inside the layer.
+    #[test]
+    fn tile_chunks_marks_down_proj_and_read_chunk_gives_tile_order() {
+        let config = tiny(false);
+        let (h, i) = (config.hidden_size, config.intermediate_size);
+        let build = KernelBuild::new(&config).unwrap();
+        let mut chunks = planned_chunks(&build).unwrap();
+        tile_chunks(&build, &mut chunks, "down_proj", &tc(h, i)).unwrap();
+        for c in &chunks {
+            let want = (c.tensor == "down_proj").then_some(i as u64);
+            assert_eq!(c.tile_k, want, "{} chunk {}", c.tensor, c.chunk);
+        }
+        let w = qmk_model::synthetic_weights(&config, 7);
+        let band = 16 * i * 2;
+        for c in chunks.iter().filter(|c| c.tile_k.is_some()) {
+            let mut got = Vec::new();
+            // Pieces of one band and a half: rounded down to one band.
+            read_chunk(&w, c, band + band / 2, &mut |off, piece| {
+                assert_eq!((off % band as u64, piece.len()), (0, band));
+                got.extend_from_slice(piece);
+                Ok(())
+            })
+            .unwrap();
+            let got: &[u16] = bytemuck::cast_slice(&got);
+            let first = (c.offset / 2) as usize;
+            let layers = c.bytes as usize / (h * i * 2);
+            for l in 0..layers {
+                for n in 0..h {
+                    for k in 0..i {
+                        let at = l * h * i
+                            + qmk_layout::tile_order_offset(n as u64, k as u64, i as u64) as usize;
+                        let want = w.down_proj[first + l * h * i + n * i + k].to_bits();
+                        assert_eq!(got[at], want, "layer {l} ({n}, {k})");
+                    }
+                }
+            }
+            // Less than a band per piece cannot be read in tile order.
+            let e = read_chunk(&w, c, band - 2, &mut |_, _| Ok(())).unwrap_err();
+            assert!(e.to_string().contains(&format!("{band} bytes")), "{e}");
+        }
+    }
+
+    #[test]
+    fn tile_chunks_refuses_a_plan_of_another_shape_naming_the_tensor() {
+        let config = tiny(false);
+        let build = KernelBuild::new(&config).unwrap();
+        let mut chunks = planned_chunks(&build).unwrap();
+        let (h, i) = (config.hidden_size, config.intermediate_size);
+        for (name, plan) in [("down_proj", tc(h, 2 * i)), ("down_proj", tc(2 * h, i))] {
+            let e = tile_chunks(&build, &mut chunks, name, &plan).unwrap_err();
+            assert!(e.to_string().starts_with("weight tensor down_proj:"), "{e}");
+            assert!(e.to_string().contains("row-major"), "{e}");
+        }
+        let e = tile_chunks(&build, &mut chunks, "nope", &tc(h, i)).unwrap_err();
+        assert!(e.to_string().starts_with("weight tensor nope:"), "{e}");
+        // gate_proj is [L, I, H]: the transpose of the down phase's shape.
+        let e = tile_chunks(&build, &mut chunks, "gate_proj", &tc(h, i)).unwrap_err();
+        assert!(e.to_string().starts_with("weight tensor gate_proj:"), "{e}");
+        assert!(chunks.iter().all(|c| c.tile_k.is_none()));
     }
 }

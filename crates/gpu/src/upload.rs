@@ -11,6 +11,10 @@
 //! flight, so reading and copying overlap and the upload runs at the slower
 //! of the two rates. Pinned buffers let the copy engine read host memory
 //! directly (no driver bounce through its own staging memory).
+//!
+//! A chunk held in tile order ([`PlannedChunk::tile_k`]) is permuted in the
+//! buffer after the source fills it; its pieces are whole 16-row bands so
+//! that no band is split between two fills.
 
 use std::time::{Duration, Instant};
 
@@ -159,6 +163,12 @@ pub(crate) fn upload_weights<D: Driver>(
     progress: &mut dyn Progress,
 ) -> Result<(Vec<D::Memory>, UploadStats)> {
     let opts = opts.checked()?;
+    // Every chunk's piece size before anything is allocated: a staging
+    // buffer smaller than a band fails here, naming the tensor.
+    let pieces = chunks
+        .iter()
+        .map(|c| c.piece_bytes(opts.buffer_bytes))
+        .collect::<Result<Vec<_>>>()?;
     let total = chunks
         .iter()
         .try_fold(0u64, |a, c| a.checked_add(c.bytes))
@@ -194,7 +204,7 @@ pub(crate) fn upload_weights<D: Driver>(
     };
     progress.begin(what, total);
     let mut next = 0usize;
-    for c in chunks {
+    for (c, &piece) in chunks.iter().zip(&pieces) {
         // Into `out` first: an error below must free it after the ring.
         out.push(alloc(
             d,
@@ -205,7 +215,7 @@ pub(crate) fn upload_weights<D: Driver>(
         let base = out.last().map_or(0, DeviceMemory::addr);
         let mut at = 0u64;
         while at < c.bytes {
-            let n = (c.bytes - at).min(opts.buffer_bytes as u64) as usize;
+            let n = (c.bytes - at).min(piece as u64) as usize;
             let i = next % opts.buffers;
             next += 1;
             ring.land(i, &mut stats, progress)?;
@@ -215,9 +225,11 @@ pub(crate) fn upload_weights<D: Driver>(
             // and the device never addresses it otherwise.
             let host = unsafe { slot.host.host_slice_mut() };
             source.read(c, at, &mut host[..n])?;
+            // `at` and `n` are whole bands of a tiled chunk (piece_bytes).
+            c.to_device_order(&mut host[..n])?;
             stats.read_time += t.elapsed();
             // SAFETY: at + n <= c.bytes, the size of the allocation at
-            // base; n <= the buffer's bytes.
+            // base; n <= piece <= the buffer's bytes.
             unsafe { d.htod_async(base + at, &slot.host, n, &ring.stream) }
                 .map_err(Error::at("cuMemcpyHtoDAsync (weight upload)"))?;
             d.record(&slot.landed, &ring.stream)
@@ -822,6 +834,224 @@ mod tests {
                 })
                 .unwrap();
                 assert!(s.mem[&m.addr()] == want, "{} chunk {}", x.tensor, x.chunk);
+            }
+        });
+    }
+
+    /// A source whose element `e` of every tensor holds bits `e` (distinct
+    /// for small tensors), recording each read as (tensor, offset, bytes).
+    struct Iota {
+        config: Config,
+        reads: std::sync::Mutex<Vec<(String, u64, usize)>>,
+    }
+
+    impl Iota {
+        fn new() -> Iota {
+            Iota {
+                config: Config::preset("7b").unwrap(),
+                reads: Vec::new().into(),
+            }
+        }
+    }
+
+    impl WeightSource for Iota {
+        fn config(&self) -> &Config {
+            &self.config
+        }
+        fn read(&self, chunk: &PlannedChunk, offset: u64, dst: &mut [u8]) -> Result<()> {
+            self.reads
+                .lock()
+                .unwrap()
+                .push((chunk.tensor.clone(), offset, dst.len()));
+            let first = (chunk.offset + offset) / 2;
+            for (i, e) in dst.chunks_exact_mut(2).enumerate() {
+                e.copy_from_slice(&((first + i as u64) as u16).to_le_bytes());
+            }
+            Ok(())
+        }
+    }
+
+    /// Two layers of a `[32, 64]` tensor, one chunk a layer, held in tile
+    /// order (`tile`) or row-major.
+    fn layers(tensor: &str, tile: bool) -> Vec<PlannedChunk> {
+        (0..2)
+            .map(|l| PlannedChunk {
+                tensor: tensor.into(),
+                chunk: l,
+                offset: l as u64 * 4096,
+                bytes: 4096,
+                tensor_bytes: 8192,
+                tile_k: tile.then_some(64),
+            })
+            .collect()
+    }
+
+    /// A tiled chunk's device bytes are its row-major bytes in tile order,
+    /// element by element, and no piece splits a 16-row band; a row-major
+    /// chunk uploaded beside it is untouched and cut at the buffer's size.
+    #[test]
+    fn a_tiled_chunk_lands_in_tile_order_in_whole_bands() {
+        // 3,000-byte buffers hold one 2,048-byte band; 7,000-byte ones
+        // three, more than a layer.
+        for (buffer, tiled_piece) in [(3000usize, 2048usize), (7000, 4096)] {
+            super::mock::reset();
+            let mut chunks = layers("down_proj", true);
+            chunks.extend(layers("up_proj", false));
+            let src = Iota::new();
+            let opts = UploadOptions {
+                buffers: 2,
+                buffer_bytes: buffer,
+            };
+            let (mem, stats) = upload_weights(&Mock, &src, &chunks, &opts, "w", &mut ()).unwrap();
+            let reads = src.reads.lock().unwrap().clone();
+            for (tensor, off, n) in &reads {
+                if tensor == "down_proj" {
+                    assert_eq!((off % 2048, *n), (0, tiled_piece), "{reads:?}");
+                } else {
+                    assert!(
+                        *n == buffer.min(4096) || off + *n as u64 == 4096,
+                        "{reads:?}"
+                    );
+                }
+            }
+            let row_pieces = 2 * 4096u64.div_ceil(buffer as u64);
+            assert_eq!(stats.pieces, 2 * 4096 / tiled_piece as u64 + row_pieces);
+            with(|s| {
+                for (m, c) in mem.iter().zip(&chunks) {
+                    let got: Vec<u16> = s.mem[&m.addr()]
+                        .chunks_exact(2)
+                        .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                        .collect();
+                    let first = c.offset / 2;
+                    for n in 0..32u64 {
+                        for k in 0..64u64 {
+                            let at = match c.tile_k {
+                                Some(kdim) => qmk_layout::tile_order_offset(n, k, kdim),
+                                None => n * 64 + k,
+                            };
+                            assert_eq!(
+                                u64::from(got[at as usize]),
+                                first + n * 64 + k,
+                                "{} layer {} element ({n}, {k})",
+                                c.tensor,
+                                c.chunk
+                            );
+                        }
+                    }
+                    // Back in row order, the source's bytes.
+                    let mut back = s.mem[&m.addr()].clone();
+                    c.from_device_order(&mut back).unwrap();
+                    let want: Vec<u8> = (first..first + 2048)
+                        .flat_map(|e| (e as u16).to_le_bytes())
+                        .collect();
+                    assert!(back == want, "{} layer {}", c.tensor, c.chunk);
+                }
+            });
+            drop(mem);
+        }
+    }
+
+    #[test]
+    fn a_buffer_smaller_than_a_band_is_refused_naming_the_tensor_and_band() {
+        super::mock::reset();
+        let mut chunks = layers("up_proj", false);
+        chunks.extend(layers("down_proj", true));
+        let src = Iota::new();
+        // 2,047 bytes round down to 2,046: short of a 2,048-byte band.
+        let opts = UploadOptions {
+            buffers: 3,
+            buffer_bytes: 2047,
+        };
+        let e = upload_weights(&Mock, &src, &chunks, &opts, "w", &mut ()).unwrap_err();
+        assert!(
+            matches!(&e, Error::Weights { tensor, reason }
+                if tensor == "down_proj" && reason.contains("band of 2048 bytes")),
+            "{e}"
+        );
+        // Refused before anything was allocated or read.
+        assert!(src.reads.lock().unwrap().is_empty());
+        with(|s| assert!(s.pinned_allocs == 0 && s.mem.is_empty(), "{s:?}"));
+        // One band's worth is enough.
+        let opts = UploadOptions {
+            buffers: 1,
+            buffer_bytes: 2048,
+        };
+        let (mem, stats) = upload_weights(&Mock, &src, &chunks, &opts, "w", &mut ()).unwrap();
+        assert_eq!(stats.pieces, 8);
+        drop(mem);
+    }
+
+    /// A tiled chunk that does not start or end on a band is refused (a
+    /// piece of it would split one), naming the tensor.
+    #[test]
+    fn a_tiled_chunk_off_the_bands_is_refused() {
+        let mut chunks = layers("down_proj", true);
+        chunks[1].offset = 4096 + 1024;
+        chunks[1].bytes = 3072;
+        let e = upload_weights(
+            &Mock,
+            &Iota::new(),
+            &chunks,
+            &UploadOptions::default(),
+            "w",
+            &mut (),
+        )
+        .unwrap_err();
+        assert!(e.to_string().starts_with("weight tensor down_proj:"), "{e}");
+        assert!(e.to_string().contains("not whole tile-order bands"), "{e}");
+        let mut odd = layers("down_proj", true);
+        odd[0].tile_k = Some(48);
+        let e = odd[0].piece_bytes(1 << 20).unwrap_err();
+        assert!(e.to_string().contains("48 elements"), "{e}");
+        with(|s| assert!(s.mem.is_empty() && s.pinned.is_empty()));
+    }
+
+    /// The upload of a split model with down_proj tiled by the backend's
+    /// rule gives the device bytes `read_chunk` gives (the host form of the
+    /// upload), and those differ from the row-major bytes.
+    #[test]
+    fn a_split_model_with_tiled_down_proj_matches_read_chunk() {
+        super::mock::reset();
+        let (c, mut chunks) = split_model(false);
+        let specs = qmk_model::stacked_specs(&c).unwrap();
+        let plan =
+            qmk_layout::plan_model(&specs, &OffsetModel::new(17, OffsetUnit::Bytes)).unwrap();
+        let build = KernelBuild::with_plan(&c, plan).unwrap();
+        let tc = qmk_layout::TcPlan::new(
+            "down_proj",
+            c.hidden_size as u64,
+            c.intermediate_size as u64,
+            &qmk_layout::TC_MACHINE_SM90,
+        )
+        .unwrap();
+        crate::staging::tile_chunks(&build, &mut chunks, "down_proj", &tc).unwrap();
+        assert!(chunks.iter().filter(|x| x.tile_k.is_some()).count() > 1);
+        let src = SyntheticSource::new(&c, 5).unwrap();
+        let band = 16 * c.intermediate_size * 2;
+        let opts = UploadOptions {
+            buffers: 3,
+            buffer_bytes: band * 2 + 100,
+        };
+        let (mem, _) = upload_weights(&Mock, &src, &chunks, &opts, "w", &mut ()).unwrap();
+        with(|s| {
+            for (m, x) in mem.iter().zip(&chunks) {
+                let all = |tile_k| {
+                    let mut v = Vec::new();
+                    let y = PlannedChunk {
+                        tile_k,
+                        ..x.clone()
+                    };
+                    crate::staging::read_chunk(&src, &y, band * 3, &mut |_, b| {
+                        v.extend_from_slice(b);
+                        Ok(())
+                    })
+                    .unwrap();
+                    v
+                };
+                let got = &s.mem[&m.addr()];
+                assert!(*got == all(x.tile_k), "{} chunk {}", x.tensor, x.chunk);
+                let row_major = all(None);
+                assert_eq!(x.tile_k.is_some(), *got != row_major, "{}", x.tensor);
             }
         });
     }

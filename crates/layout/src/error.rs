@@ -148,6 +148,16 @@ pub enum LayoutError {
         value: u64,
     },
 
+    /// A weight phase cannot run on tensor cores as planned (its shape,
+    /// the machine it is planned for, or a buffer of tile-order bytes).
+    #[error("tensor-core plan of `{tensor}`: {reason}")]
+    TensorCore {
+        /// The tensor (or phase) at fault.
+        tensor: String,
+        /// Why.
+        reason: String,
+    },
+
     /// A tensor cannot be divided among tensor-parallel ranks as asked.
     #[error("tensor `{tensor}` cannot be sharded: {reason}")]
     Shard {

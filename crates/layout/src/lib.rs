@@ -59,6 +59,7 @@ mod layout;
 mod offset;
 mod plan;
 mod shard;
+pub mod tensor_core;
 mod units;
 
 pub use error::LayoutError;
@@ -70,4 +71,8 @@ pub use plan::{
     TensorSpec,
 };
 pub use shard::{plan_tensor_parallel, shard_tensor, Shard, ShardRule, ShardedTensor, TpPlan};
+pub use tensor_core::{
+    from_tile_order, tile_order_offset, to_tile_order, TcMachine, TcPlan, TC_MACHINE_SM90, TILE_K,
+    TILE_ROWS,
+};
 pub use units::{Bytes, DType, Elems, KernelOffset};

@@ -69,6 +69,10 @@ struct Params {
                           // region (decode/tp.cuh), rank order; 0 past the group
     u32 tp_rank;          // this rank's index (0 on one GPU)
     u32 tp_epoch;         // exchange k of the step publishes tp_epoch + k + 1
+    u64 tc_scratch;       // the tensor-core down phase (decode/tc_phase.cuh):
+                          // counters [tiles] + [row tiles] u32, partials
+                          // [tiles][slots][16][8] f32, block sums
+                          // [row tiles][blocks][16][8] f32 (QMK_TC_* offsets)
 };
 
 // Most sequence blocks per kv head of the split attention (sizes its

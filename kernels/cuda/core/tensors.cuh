@@ -51,6 +51,18 @@ QMK_TENSOR_TRAITS(gate_proj)
 QMK_TENSOR_TRAITS(up_proj)
 QMK_TENSOR_TRAITS(down_proj)
 
+// Whether a tensor's layers are stored in tile order (qmk_layout's
+// tile_order_offset): down_proj where the decode step reads it on tensor
+// cores (decode/tc_phase.cuh); the weight upload permutes it.
+template <class T>
+struct TileOrder {
+    static constexpr bool v = false;
+};
+template <>
+struct TileOrder<down_proj_t> {
+    static constexpr bool v = QMK_TC_DOWN != 0;
+};
+
 // Chunk holding `layer` (compile-time chunk table, runtime layer).
 template <class T, u32 C = 0>
 __device__ __forceinline__ u32 chunk_of(u32 layer) {

@@ -2,7 +2,8 @@
 //   gate_up (phase 4): post_attention_layernorm, then h[r] = silu(gate[r]) * up[r]
 //                      (one warp computes both rows r: shared activation reads)
 //   down    (phase 5): x[r] += down[layer, r, :] . h (a tensor-parallel rank
-//                      writes its partial instead, as o_proj does)
+//                      writes its partial instead, as o_proj does; on tensor
+//                      cores where QMK_TC_DOWN, decode/tc_phase.cuh)
 #pragma once
 
 namespace qmk {
@@ -31,6 +32,13 @@ __device__ __forceinline__ void mlp_gate_up(const Params& p, u32 layer, float* x
 }
 
 __device__ __forceinline__ void mlp_down(const Params& p, u32 layer, float* xs) {
+#if QMK_TC_DOWN
+    // On tensor cores (decode/tc_phase.cuh): the multi-token step's bits.
+    float* xr = reinterpret_cast<float*>(p.x);  // [H] f32
+    tc::down<1>(p, layer, reinterpret_cast<const float*>(p.mlp_h), xs,
+                [&](int r, int, float v) { xr[r] = __ldcg(xr + r) + v; });
+    return;
+#endif
     const LayerView<down_proj_t> w(p.down_proj, layer);
     const auto rows_of = [&](u32 r, const char* (&rows)[1]) { rows[0] = w.row(r); };
     constexpr bool kStage = copied_stages<(int)QMK_INTER>();

@@ -684,6 +684,14 @@ __device__ __forceinline__ void mt_gate_up(const MultiParams& m, u32 layer, floa
 // down + residual for T tokens: x[t, r] += down[r] . h[t].
 template <int T>
 __device__ __forceinline__ void mt_down(const MultiParams& m, u32 layer, float* xs) {
+#if QMK_TC_DOWN
+    // The one-token step's tensor-core phase at T tokens: the same bits.
+    float* xr = reinterpret_cast<float*>(m.x);  // [T, H] f32
+    tc::down<T>(m.base, layer, reinterpret_cast<const float*>(m.mlp_h), xs, [&](int r, int t, float v) {
+        xr[t * QMK_HIDDEN + r] = __ldcg(xr + t * QMK_HIDDEN + r) + v;
+    });
+    return;
+#endif
     const float* x = reinterpret_cast<const float*>(m.x);  // [T, H] f32
     mt_residual_phase<T, (int)QMK_INTER>(m, LayerView<down_proj_t>(m.base.down_proj, layer),
                                          reinterpret_cast<const float*>(m.mlp_h),
@@ -827,6 +835,9 @@ __device__ __forceinline__ void decode_multi(const MultiParams& m) {
             for (u32 i = threadIdx.x; i < kAttnTicketWords; i += QMK_THREADS) part[t * m.part_words + i] = 0u;
         __threadfence();
     }
+#if QMK_TC_DOWN
+    if (blockIdx.x == 0) tc::zero_counters(p);
+#endif
     GridBarrierT<true> bar;  // traced with kFlagTrace, as the one-token step
     bar.init(p);
     for (u32 layer = 0; layer < QMK_LAYERS; ++layer) {

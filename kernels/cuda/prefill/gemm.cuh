@@ -35,13 +35,24 @@ static_assert(QMK_THREADS == 512, "the GEMM tile assumes 16 warps");
 
 // Rows of one weight tensor's layer slice: row(n) = base + li*s0 + n*s1 in
 // koff_t, the same value LayerView::row gives (offset3), selectable at run
-// time (q, k and v tiles share one instantiation).
+// time (q, k and v tiles share one instantiation). A tensor the decode step
+// reads on tensor cores is stored in tile order (TileOrder): 16-row bands of
+// 32-column k-steps, each 16 x 32 block row by row; its 16-byte pieces stay
+// whole, so the loaders change only their addresses (piece, kmul).
 struct WRows {
     const char* base;
     koff_t layer_off;  // li * stride0 bytes (koff_t)
     koff_t row_bytes;  // stride1 bytes
+    u32 kmul;          // bytes moved per byte of k at a k-step start: 1, or 16 in tile order
     __device__ __forceinline__ const char* row(u32 n) const {
         return base + (koff_t)(layer_off + (koff_t)n * row_bytes);
+    }
+    // The 16-byte piece at byte kb (a multiple of 16) of row n; byte kb + d
+    // of a k-step start d (a multiple of 64 bytes) lies d * kmul further.
+    __device__ __forceinline__ const char* piece(u32 n, u32 kb) const {
+        if (kmul == 1u) return row(n) + kb;
+        return base + (koff_t)(layer_off + (koff_t)(n & ~15u) * row_bytes + (n & 15u) * 64u + (kb / 64u) * 1024u +
+                               kb % 64u);
     }
 };
 
@@ -52,6 +63,7 @@ __device__ __forceinline__ WRows wrows(const u64 (&chunks)[QMK_MAX_CHUNKS], u32 
     r.base = v.base;
     r.layer_off = (koff_t)(v.li * (koff_t)(T::kStride0 * 2u));
     r.row_bytes = (koff_t)(T::kStride1 * 2u);
+    r.kmul = TileOrder<T>::v ? 16u : 1u;
     return r;
 }
 
@@ -102,7 +114,8 @@ __device__ __forceinline__ void gemm_tile(const char* a, u32 lda_bytes, u32 t_en
     const u32 bn = n0 + bgrp * WNT + bin % WNT;
     const u32 b_ok = bn < n_end ? 16u : 0u;
     const WRows wb = NB == 1 ? w[0] : w[bt < 1 ? 0 : NB - 1];
-    const char* b_src = wb.row(b_ok ? bn : n0) + lpiece * 16u;
+    const char* b_src = wb.piece(b_ok ? bn : n0, lpiece * 16u);
+    const u32 b_kmul = wb.kmul;
     const u32 sbase = smem_u32(smem);
     const u32 a_dst = sbase + (lrow * kGemmLd + lpiece * 8u) * 2u;
     const u32 b_dst = sbase + ((BM + lrow) * kGemmLd + lpiece * 8u) * 2u;
@@ -111,7 +124,7 @@ __device__ __forceinline__ void gemm_tile(const char* a, u32 lda_bytes, u32 t_en
         const u32 so = s * STAGE * 2u;
         const size_t ko = (size_t)kt * kGemmBK * 2u;
         if (a_loader) cp_async16(a_dst + so, a_src + ko, a_ok);
-        cp_async16(b_dst + so, b_src + ko, b_ok);
+        cp_async16(b_dst + so, b_src + ko * b_kmul, b_ok);
     };
 
     float acc[2][JT][4];

@@ -180,7 +180,7 @@ __device__ __forceinline__ void wg_mainloop(const char* a, u32 lda_bytes, u32 t_
     const u32 c = tid & 7u, r0 = tid >> 3;
     const u32 swz = ((c ^ (r0 & 7u)) * 16u) + r0 * 128u;
     const char* asrc[4];
-    u32 aok[4];
+    u32 aok[4], akmul[4];
 #pragma unroll
     for (u32 i = 0; i < 4; ++i) {
         const u32 r = r0 + 64u * i;
@@ -188,7 +188,8 @@ __device__ __forceinline__ void wg_mainloop(const char* a, u32 lda_bytes, u32 t_
         const u32 n = wg_col<NB>(n0, r);
         aok[i] = n < n_end ? 16u : 0u;
         const WRows& wr = w[NB == 1 ? 0 : (wt ? NB - 1 : 0)];
-        asrc[i] = wr.row(aok[i] ? n : n0) + c * 16u;
+        asrc[i] = wr.piece(aok[i] ? n : n0, c * 16u);
+        akmul[i] = wr.kmul;
     }
     const char* bsrc[BPT];
     u32 bok[BPT];
@@ -202,7 +203,7 @@ __device__ __forceinline__ void wg_mainloop(const char* a, u32 lda_bytes, u32 t_
         const u32 st = smem + s * kWgStageBytes + swz;
         const u32 ko = kt * kWgBK * 2u;
 #pragma unroll
-        for (u32 i = 0; i < 4; ++i) cp_async16(st + i * 64u * 128u, asrc[i] + ko, aok[i]);
+        for (u32 i = 0; i < 4; ++i) cp_async16(st + i * 64u * 128u, asrc[i] + (size_t)ko * akmul[i], aok[i]);
 #pragma unroll
         for (u32 i = 0; i < BPT; ++i)
             cp_async16(st + kWgRows * 128u + i * 64u * 128u, bsrc[i] + ko, bok[i]);
