@@ -28,7 +28,7 @@
 #include "core/barrier.cuh"      // the grid barrier (bounded waits) and record_error
 // Decode ops (qmk_decode_step; lm_head and argmax also end the prefill):
 #include "decode/matvec.cuh"     // warp dot products of weight rows, the row-to-warp map
-#include "decode/tc_phase.cuh"   // a weight phase on tensor cores (down from 7B up)
+#include "decode/tc_phase.cuh"   // weight phases on tensor cores (the MLP from 7B up)
 #include "decode/embed.cuh"      // embedding row / residual read of layer 0
 #include "decode/tp.cuh"         // tensor-parallel ranks: the all-reduces and the argmax fold
 #include "decode/rms_norm.cuh"   // per-CTA RMSNorm into shared memory
@@ -116,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
     const bool split_attn = (p.flags & kFlagAttnNoSplit) == 0u &&
                             ((p.flags & kFlagAttnForceSplit) != 0u || pos + 1u >= kAttnSplitMinContext);
     if (split_attn && blockIdx.x == 0) attention_zero_tickets(p);
-#if QMK_TC_DOWN
+#if QMK_TC_MLP
     if (blockIdx.x == 0) tc::zero_counters(p);
 #endif
     GridBarrierT<true> bar;

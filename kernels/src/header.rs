@@ -109,23 +109,46 @@ pub fn decode_stage_floats(h: u64, q: u64, i: u64) -> [u64; 4] {
 /// latency); 1.5B and 3B are not measured yet and keep CUDA cores.
 pub const TC_MIN_HIDDEN: usize = 3072;
 
-/// The tensor-core plan of `config`'s down phase ([`qmk_layout::TcPlan`],
-/// on [`qmk_layout::TC_MACHINE_SM90`]) where its hidden size is at least
-/// [`TC_MIN_HIDDEN`] and the plan takes its shape; None keeps down on CUDA
-/// cores. Whether a build uses it also depends on the arch and the ranks
-/// ([`KernelBuild::tensor_core_down`]); the device scratch is sized from
-/// this.
-pub fn tc_down_plan(config: &Config) -> Option<qmk_layout::TcPlan> {
+/// The MLP's weight phases on tensor cores ([`qmk_layout::TcPlan`], on
+/// [`qmk_layout::TC_MACHINE_SM90`]): down `[H, I]` with its weights in
+/// 16-row bands, gate/up `[2 I, H]` whose tiles take 8 rows of gate and the
+/// same 8 rows of up (each tensor in 8-row bands), so one lane holds both
+/// of a row and applies SiLU; and the scratch they share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcMlp {
+    /// The down phase.
+    pub down: qmk_layout::TcPlan,
+    /// The gate/up phase.
+    pub gate_up: qmk_layout::TcPlan,
+    /// Their global scratch ([`crate::KernelParams::tc_scratch`]).
+    pub scratch: qmk_layout::TcScratch,
+}
+
+impl TcMlp {
+    /// Rows of a band of down's tile order.
+    pub const DOWN_BAND: u64 = 16;
+    /// Rows of a band of gate's and up's tile order.
+    pub const GATE_UP_BAND: u64 = 8;
+}
+
+/// The tensor-core MLP of `config` where its hidden size is at least
+/// [`TC_MIN_HIDDEN`] and the plans take its shapes; None keeps the MLP on
+/// CUDA cores. Whether a build runs it also depends on what it asks for,
+/// the arch and the ranks ([`KernelBuild::tensor_core_mlp`]); the device
+/// scratch is sized from this.
+pub fn tc_mlp_plan(config: &Config) -> Option<TcMlp> {
     if config.hidden_size < TC_MIN_HIDDEN {
         return None;
     }
-    qmk_layout::TcPlan::new(
-        "down_proj",
-        config.hidden_size as u64,
-        config.intermediate_size as u64,
-        &qmk_layout::TC_MACHINE_SM90,
-    )
-    .ok()
+    let (h, i) = (config.hidden_size as u64, config.intermediate_size as u64);
+    let m = &qmk_layout::TC_MACHINE_SM90;
+    let down = qmk_layout::TcPlan::new("down_proj", h, i, m).ok()?;
+    let gate_up = qmk_layout::TcPlan::new("gate_proj/up_proj", i.checked_mul(2)?, h, m).ok()?;
+    Some(TcMlp {
+        down,
+        gate_up,
+        scratch: qmk_layout::TcScratch::for_plans(&[&down, &gate_up]),
+    })
 }
 
 /// Everything that goes into compiling the megakernel for one model.
@@ -183,8 +206,8 @@ impl KernelBuild {
         };
         // The tensor-core down phase's planes and partials (both steps run
         // it with one plan).
-        let base = match self.tensor_core_down(arch) {
-            Some(p) => ring.max(p.machine.smem_bytes() / 4),
+        let base = match self.tensor_core_mlp(arch) {
+            Some(t) => ring.max(t.down.machine.smem_bytes() / 4),
             None => ring,
         };
         let cap = u64::from(arch.max_smem_per_cta()) / 4;
@@ -210,43 +233,48 @@ impl KernelBuild {
             format!("-DQMK_MT_SMEM_FLOATS={}", self.multi_smem_for(arch) / 4),
             format!("-DQMK_MT_MAX_TOKENS={}", self.multi_max_tokens(arch)),
         ];
-        match self.tensor_core_down(arch) {
-            None => o.push("-DQMK_TC_DOWN=0".to_string()),
-            Some(p) => {
-                let m = p.machine;
+        match self.tensor_core_mlp(arch) {
+            None => o.push("-DQMK_TC_MLP=0".to_string()),
+            Some(t) => {
+                let m = t.down.machine;
                 o.extend([
-                    "-DQMK_TC_DOWN=1".to_string(),
+                    "-DQMK_TC_MLP=1".to_string(),
                     format!("-DQMK_TC_GRID={}", m.grid),
                     format!("-DQMK_TC_TMAX={}", m.tmax),
                     format!("-DQMK_TC_INPUT_BYTES={}", m.input_bytes),
                     format!("-DQMK_TC_PART_BYTES={}", m.part_bytes),
                     format!("-DQMK_TC_STAGED={}", u8::from(m.staged)),
-                    format!("-DQMK_TC_DOWN_NKB={}", p.nkb),
-                    format!("-DQMK_TC_DOWN_SLOTS={}", p.slots),
-                    format!("-DQMK_TC_DOWN_MAXLT={}", p.maxlt),
-                    format!("-DQMK_TC_BCNT_OFF={}", p.bcnt_offset()),
-                    format!("-DQMK_TC_PART_OFF={}", p.part_offset()),
-                    format!("-DQMK_TC_BPART_OFF={}", p.bpart_offset()),
+                    format!("-DQMK_TC_DOWN_NKB={}", t.down.nkb),
+                    format!("-DQMK_TC_DOWN_SLOTS={}", t.down.slots),
+                    format!("-DQMK_TC_DOWN_MAXLT={}", t.down.maxlt),
+                    format!("-DQMK_TC_GU_NKB={}", t.gate_up.nkb),
+                    format!("-DQMK_TC_GU_SLOTS={}", t.gate_up.slots),
+                    format!("-DQMK_TC_GU_MAXLT={}", t.gate_up.maxlt),
+                    format!("-DQMK_TC_BCNT_OFF={}", t.scratch.bcnt_offset),
+                    format!("-DQMK_TC_PART_OFF={}", t.scratch.part_offset),
+                    format!("-DQMK_TC_BPART_OFF={}", t.scratch.bpart_offset),
+                    format!("-DQMK_TC_SCRATCH_BYTES={}", t.scratch.bytes),
                 ]);
             }
         }
         o
     }
 
-    /// The down phase's tensor-core plan where the build for `arch` runs
-    /// it ([`tc_down_plan`]): one GPU (a tensor-parallel rank keeps CUDA
-    /// cores) on sm_90, whose shared memory holds the planned machine.
-    /// Then the weight upload stores `down_proj` in tile order
-    /// ([`qmk_layout::to_tile_order`]) and the prefill reads it so.
-    pub fn tensor_core_down(&self, arch: crate::Arch) -> Option<qmk_layout::TcPlan> {
+    /// The MLP's tensor-core phases where the build for `arch` runs them
+    /// ([`tc_mlp_plan`]): asked for ([`KernelBuild::with_tensor_cores`]),
+    /// one GPU (a tensor-parallel rank keeps CUDA cores), on sm_90, whose
+    /// shared memory holds the planned machine. Then the weight upload
+    /// stores `down_proj`, `gate_proj` and `up_proj` in tile order
+    /// ([`qmk_layout::TileOrder`]) and the prefill reads them so.
+    pub fn tensor_core_mlp(&self, arch: crate::Arch) -> Option<TcMlp> {
         if !self.tensor_cores || self.tp_ranks != 1 || !arch.has_wgmma() {
             return None;
         }
-        let p = tc_down_plan(&self.config)?;
+        let t = tc_mlp_plan(&self.config)?;
         // Beside the multi-token step's static shared memory.
-        (p.machine.smem_bytes() + u64::from(MULTI_STATIC_SMEM)
+        (t.down.machine.smem_bytes() + u64::from(MULTI_STATIC_SMEM)
             <= u64::from(arch.max_smem_per_cta()))
-        .then_some(p)
+        .then_some(t)
     }
 
     /// Dynamic shared memory per CTA of the multi-token step on `arch`,
@@ -358,7 +386,7 @@ impl KernelBuild {
     /// The same build with the tensor-core weight phases asked for (`on`)
     /// or not: from [`TC_MIN_HIDDEN`] up, on sm_90, the MLP's down and
     /// gate/up run on tensor cores in both decode steps
-    /// ([`KernelBuild::tensor_core_down`]), the upload stores their
+    /// ([`KernelBuild::tensor_core_mlp`]), the upload stores their
     /// weights in tile order and the prefill reads them so. Off by
     /// default: the phases are built and checked on the host, and wait for
     /// their GPU validation (docs/decisions, 0051). A tensor-parallel rank
@@ -566,7 +594,7 @@ impl KernelBuild {
         // entries out of rank builds.
         plan_header.push_str(&format!("#define QMK_TP_RANKS {ranks}\n"));
         // Whether the tensor-core phases were asked for (the arch decides
-        // whether they run: QMK_TC_DOWN); here, so the fingerprint of a
+        // whether they run: QMK_TC_MLP); here, so the fingerprint of a
         // build that stores weights in tile order differs.
         plan_header.push_str(&format!(
             "#define QMK_TENSOR_CORES {}\n",
@@ -685,13 +713,13 @@ mod tests {
         // 7B: the activation vector [18,944] f32 on sm_80 / sm_89 and below;
         // on sm_90 the ring of 16 x 16-byte slots per lane (128 KB) and q
         // [7, 128] f32 are larger; with the tensor-core phases, on sm_90
-        // their 164 KB of planes and 32 KB of partials are larger still.
+        // their 161 KB of planes and 60 KB of partials are larger still.
         let b = KernelBuild::new(&Config::preset("7b").unwrap()).unwrap();
         assert_eq!(b.smem_for(Arch::SM89), 18_944 * 4);
         assert_eq!(b.smem_for(Arch::SM90), (7 * 128 + 16 * 16 * 32 * 4) * 4);
         assert_eq!(b.smem_for(Arch::SM80), b.smem_for(Arch::SM90));
         let tc = b.with_tensor_cores(true).unwrap();
-        assert_eq!(tc.smem_for(Arch::SM90), 196 * 1024);
+        assert_eq!(tc.smem_for(Arch::SM90), (161 + 60) * 1024);
         assert_eq!(tc.smem_for(Arch::SM80), b.smem_for(Arch::SM80));
         // The multi-token step: sm_89's 99 KB less its static reserve,
         // 24,320 floats, six normed vectors [3,584].
@@ -702,7 +730,7 @@ mod tests {
                 "-DQMK_SMEM_FLOATS=18944",
                 "-DQMK_MT_SMEM_FLOATS=24320",
                 "-DQMK_MT_MAX_TOKENS=6",
-                "-DQMK_TC_DOWN=0"
+                "-DQMK_TC_MLP=0"
             ]
         );
         // The ring never pushes a preset past its arch's limit: it fits
@@ -724,7 +752,7 @@ mod tests {
     }
 
     #[test]
-    fn down_runs_on_tensor_cores_from_7b_on_one_sm_90_gpu() {
+    fn the_mlp_runs_on_tensor_cores_from_7b_on_one_sm_90_gpu_when_asked() {
         use crate::Arch;
         let build = |preset: &str| {
             KernelBuild::new(&Config::preset(preset).unwrap())
@@ -734,55 +762,55 @@ mod tests {
         };
         for preset in ["0.5b", "1.5b", "3b"] {
             assert!(
-                tc_down_plan(&Config::preset(preset).unwrap()).is_none(),
+                tc_mlp_plan(&Config::preset(preset).unwrap()).is_none(),
                 "{preset}"
             );
             assert!(
-                build(preset).tensor_core_down(Arch::SM90).is_none(),
+                build(preset).tensor_core_mlp(Arch::SM90).is_none(),
                 "{preset}"
             );
         }
         for preset in ["7b", "14b", "32b", "72b"] {
             let b = build(preset);
-            let p = b.tensor_core_down(Arch::SM90).expect(preset);
-            assert_eq!(
-                (p.rows, p.k),
-                (
-                    b.config.hidden_size as u64,
-                    b.config.intermediate_size as u64
-                )
+            let t = b.tensor_core_mlp(Arch::SM90).expect(preset);
+            let (h, i) = (
+                b.config.hidden_size as u64,
+                b.config.intermediate_size as u64,
             );
+            assert_eq!((t.down.rows, t.down.k), (h, i));
+            assert_eq!((t.gate_up.rows, t.gate_up.k), (2 * i, h));
             // Not before sm_90 (its shared memory does not hold the machine),
             // nor on a tensor-parallel rank.
-            assert!(b.tensor_core_down(Arch::SM80).is_none(), "{preset}");
-            assert!(b.tensor_core_down(Arch::SM89).is_none(), "{preset}");
+            assert!(b.tensor_core_mlp(Arch::SM80).is_none(), "{preset}");
+            assert!(b.tensor_core_mlp(Arch::SM89).is_none(), "{preset}");
             let rank = KernelBuild::for_rank(&b.config, 2).unwrap();
-            assert!(rank.tensor_core_down(Arch::SM90).is_none(), "{preset}");
+            assert!(rank.tensor_core_mlp(Arch::SM90).is_none(), "{preset}");
             assert!(rank
                 .arch_options(Arch::SM90)
-                .contains(&"-DQMK_TC_DOWN=0".to_string()));
+                .contains(&"-DQMK_TC_MLP=0".to_string()));
             assert!(rank.with_tensor_cores(true).is_err(), "{preset}");
             // Asked for or not: another fingerprint, and off by default.
             let off = b.with_tensor_cores(false).unwrap();
-            assert!(off.tensor_core_down(Arch::SM90).is_none(), "{preset}");
+            assert!(off.tensor_core_mlp(Arch::SM90).is_none(), "{preset}");
             assert_ne!(off.fingerprint, b.fingerprint, "{preset}");
             assert_eq!(
                 off.fingerprint,
                 KernelBuild::new(&b.config).unwrap().fingerprint
             );
-            // The kernel gets the plan's numbers, and the launch the shared
+            // The kernel gets the plans' numbers, and the launch the shared
             // memory they take.
             let o = b.arch_options(Arch::SM90);
             for want in [
-                "-DQMK_TC_DOWN=1".to_string(),
-                format!("-DQMK_TC_DOWN_NKB={}", p.nkb),
-                format!("-DQMK_TC_DOWN_SLOTS={}", p.slots),
-                format!("-DQMK_TC_PART_OFF={}", p.part_offset()),
+                "-DQMK_TC_MLP=1".to_string(),
+                format!("-DQMK_TC_DOWN_NKB={}", t.down.nkb),
+                format!("-DQMK_TC_GU_SLOTS={}", t.gate_up.slots),
+                format!("-DQMK_TC_PART_OFF={}", t.scratch.part_offset),
+                format!("-DQMK_TC_SCRATCH_BYTES={}", t.scratch.bytes),
             ] {
                 assert!(o.contains(&want), "{preset}: {want} not in {o:?}");
             }
             assert!(
-                u64::from(b.smem_for(Arch::SM90)) >= p.machine.smem_bytes(),
+                u64::from(b.smem_for(Arch::SM90)) >= t.down.machine.smem_bytes(),
                 "{preset}"
             );
         }

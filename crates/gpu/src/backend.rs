@@ -7,8 +7,9 @@ use qmk_engine::{Backend, BackendKind, MultiStep, MultiStepOutput, RunningMean, 
 use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG, FLAG_DEBUG_OOB};
 use qmk_kernels::{
     source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, MultiParams, PrefillParams,
-    Resources, ATTN_TILE, THREADS_PER_CTA,
+    Resources, TcMlp, ATTN_TILE, THREADS_PER_CTA,
 };
+use qmk_layout::TileOrder;
 use qmk_model::{Config, WeightKind, Weights};
 
 use crate::cuda::{describe_cubin, CudaCode};
@@ -522,19 +523,42 @@ impl<D: Driver> GpuBackend<D> {
         };
         let mut params = base_params(&config, capacity, opts.spin_timeout);
         let mut chunks = planned_chunks(&build)?;
-        if let Some(tc) = build.tensor_core_down(info.arch) {
-            // The tensor-core down phase loads its weights in tile order.
-            let down = WeightKind::DownProj.name();
-            if (tc.rows, tc.k) != (config.hidden_size as u64, config.intermediate_size as u64) {
-                return Err(Error::Weights {
-                    tensor: down.into(),
-                    reason: format!(
-                        "the tensor-core plan is for [{}, {}], the model's down_proj is [{}, {}]",
-                        tc.rows, tc.k, config.hidden_size, config.intermediate_size
-                    ),
-                });
+        if let Some(tc) = build.tensor_core_mlp(info.arch) {
+            // The tensor-core MLP phases load their weights in tile order:
+            // down in 16-row bands, gate and up in 8-row ones (a tile takes
+            // the same 8 rows of each).
+            let (h, i) = (config.hidden_size as u64, config.intermediate_size as u64);
+            let two_i = i
+                .checked_mul(2)
+                .ok_or_else(|| Error::Overflow("2 x intermediate_size".into()))?;
+            let gate_up_name = format!(
+                "{}/{}",
+                WeightKind::GateProj.name(),
+                WeightKind::UpProj.name()
+            );
+            for (name, plan, want) in [
+                (WeightKind::DownProj.name(), &tc.down, (h, i)),
+                (gate_up_name.as_str(), &tc.gate_up, (two_i, h)),
+            ] {
+                if (plan.rows, plan.k) != want {
+                    return Err(Error::Weights {
+                        tensor: name.into(),
+                        reason: format!(
+                            "the tensor-core plan is for [{}, {}], the model's is [{}, {}]",
+                            plan.rows, plan.k, want.0, want.1
+                        ),
+                    });
+                }
             }
-            tile_chunks(&build, &mut chunks, down, &tc)?;
+            let down = TileOrder::new(i, TcMlp::DOWN_BAND)?;
+            let gate_up = TileOrder::new(h, TcMlp::GATE_UP_BAND)?;
+            for (kind, rows, order) in [
+                (WeightKind::DownProj, h, down),
+                (WeightKind::GateProj, i, gate_up),
+                (WeightKind::UpProj, i, gate_up),
+            ] {
+                tile_chunks(&build, &mut chunks, kind.name(), rows, order)?;
+            }
         }
         let arch = info.arch;
         let (cubin, compile_time, uploaded) = std::thread::scope(|s| {

@@ -401,12 +401,12 @@ pub fn trace_bytes(config: &Config, grid: u32) -> Result<u64> {
     barriers.checked_add(marks).ok_or_else(|| overflow(what))
 }
 
-/// Bytes of [`Buffer::TcScratch`]: the scratch of `config`'s tensor-core
-/// down plan ([`qmk_kernels::tc_down_plan`]), or 16 bytes where there is
-/// none. Sized from the config alone, so a build whose arch keeps down on
-/// CUDA cores still has a valid (unused) address to pass.
+/// Bytes of [`Buffer::TcScratch`]: the scratch the tensor-core MLP phases
+/// of `config` share ([`qmk_kernels::tc_mlp_plan`]), or 16 bytes where
+/// there is none. Sized from the config alone, so a build whose arch keeps
+/// the MLP on CUDA cores still has a valid (unused) address to pass.
 pub fn tc_scratch_bytes(config: &Config) -> u64 {
-    qmk_kernels::tc_down_plan(config).map_or(16, |p| p.scratch_bytes())
+    qmk_kernels::tc_mlp_plan(config).map_or(16, |t| t.scratch.bytes)
 }
 
 /// Bytes of the split-attention scratch (`KernelParams::attn_part`):
@@ -767,14 +767,20 @@ mod tests {
     }
 
     #[test]
-    fn tc_scratch_is_the_down_plans_or_16_bytes() {
+    fn tc_scratch_is_the_mlp_plans_or_16_bytes() {
         let c7 = Config::preset("7b").unwrap();
-        let tc = qmk_kernels::tc_down_plan(&c7).expect("7B runs down on tensor cores");
-        let want = tc.scratch_bytes();
+        let tc = qmk_kernels::tc_mlp_plan(&c7).expect("7B runs the MLP on tensor cores");
+        let want = tc.scratch.bytes;
+        // Room for either phase's counters and sums.
+        let alone = |p| qmk_layout::TcScratch::for_plans(&[p]).bytes;
+        assert!(
+            want >= alone(&tc.down) && want >= alone(&tc.gate_up),
+            "{want}"
+        );
         assert!(want > 16, "{want}");
         assert_eq!(tc_scratch_bytes(&c7), want);
         let c05 = Config::preset("0.5b").unwrap();
-        assert!(qmk_kernels::tc_down_plan(&c05).is_none());
+        assert!(qmk_kernels::tc_mlp_plan(&c05).is_none());
         assert_eq!(tc_scratch_bytes(&c05), 16);
         for (c, bytes) in [(&c7, want), (&c05, 16)] {
             let plan = MemoryPlan::new(c, 4096, 132, Some(512)).unwrap();

@@ -11,7 +11,7 @@
 
 use half::bf16;
 use qmk_kernels::{KernelBuild, KernelParams};
-use qmk_layout::{from_tile_order, to_tile_order, Layout, TcPlan, TILE_K, TILE_ROWS};
+use qmk_layout::{Layout, TileOrder};
 use qmk_model::{CheckpointSource, Config, SyntheticSource, WeightKind, Weights};
 
 use crate::error::{Error, Result};
@@ -34,13 +34,12 @@ pub struct PlannedChunk {
     pub bytes: u64,
     /// Bytes of the whole tensor, as its layout spans them.
     pub tensor_bytes: u64,
-    /// `Some(k)`: the device holds this chunk in tile order
-    /// ([`qmk_layout::tile_order_offset`]) over rows of `k` elements, the
-    /// order a tensor-core phase loads; `None`: in the source's row-major
+    /// `Some(order)`: the device holds this chunk in that tile order, the
+    /// one a tensor-core phase loads; `None`: in the source's row-major
     /// order. Sources always give row-major bytes; the upload permutes
     /// each piece ([`PlannedChunk::to_device_order`]), so its pieces are
-    /// whole 16-row bands ([`PlannedChunk::band_bytes`]).
-    pub tile_k: Option<u64>,
+    /// whole bands ([`PlannedChunk::band_bytes`]).
+    pub tile: Option<TileOrder>,
 }
 
 impl PlannedChunk {
@@ -58,21 +57,18 @@ impl PlannedChunk {
         }
     }
 
-    /// Bytes of one 16-row band of a tile-order chunk (`None` for a
-    /// row-major one), checked: the row length is whole k-steps and the
-    /// chunk starts and ends on bands, so no piece of it splits one.
+    /// Bytes of one band of a tile-order chunk (`None` for a row-major
+    /// one), checked: the order is one [`TileOrder::new`] accepts (the
+    /// field is public, so it may not be) and the chunk starts and ends on
+    /// bands, so no piece of it splits one.
     pub fn band_bytes(&self) -> Result<Option<u64>> {
-        let Some(k) = self.tile_k else {
+        let Some(order) = self.tile else {
             return Ok(None);
         };
-        if k == 0 || k % TILE_K != 0 {
-            return Err(self.error(format!(
-                "tile-order rows of {k} elements are not whole {TILE_K}-column k-steps"
-            )));
-        }
-        let band = k
-            .checked_mul(TILE_ROWS * 2)
-            .ok_or_else(|| Error::Overflow(format!("{}: a tile-order band", self.tensor)))?;
+        let band = TileOrder::new(order.k, order.rows)
+            .map_err(|e| self.error(e.to_string()))?
+            .band_bytes()
+            .map_err(|e| self.error(e.to_string()))?;
         if self.offset % band != 0 || self.bytes % band != 0 {
             return Err(self.error(format!(
                 "chunk {} (bytes {}..+{}) is not whole tile-order bands of {band} bytes",
@@ -95,9 +91,10 @@ impl PlannedChunk {
                 let band = usize::try_from(band)
                     .map_err(|_| Error::Overflow(format!("{}: a tile-order band", self.tensor)))?;
                 if even < band {
+                    let rows = self.tile.map_or(0, |o| o.rows);
                     return Err(self.error(format!(
                         "a staging buffer of {buffer} bytes cannot hold one tile-order band of \
-                         {band} bytes (16 rows); use buffers of at least {band} bytes"
+                         {band} bytes ({rows} rows); use buffers of at least {band} bytes"
                     )));
                 }
                 even - even % band
@@ -115,41 +112,39 @@ impl PlannedChunk {
     /// starting on a band, into the order the device holds the chunk in
     /// (unchanged for a row-major chunk).
     pub fn to_device_order(&self, piece: &mut [u8]) -> Result<()> {
-        self.permute(piece, to_tile_order)
+        self.permute(piece, true)
     }
 
     /// The inverse of [`PlannedChunk::to_device_order`]: bytes read back
     /// from the device (whole bands) into the source's row-major order.
     pub fn from_device_order(&self, piece: &mut [u8]) -> Result<()> {
-        self.permute(piece, from_tile_order)
+        self.permute(piece, false)
     }
 
-    fn permute(
-        &self,
-        piece: &mut [u8],
-        f: fn(&mut [u8], usize) -> Result<(), qmk_layout::LayoutError>,
-    ) -> Result<()> {
-        if self.band_bytes()?.is_none() {
+    fn permute(&self, piece: &mut [u8], to_tiles: bool) -> Result<()> {
+        // band_bytes first: it validates an order set by hand.
+        let (Some(_), Some(order)) = (self.band_bytes()?, self.tile) else {
             return Ok(());
-        }
-        let k = self
-            .tile_k
-            .and_then(|k| usize::try_from(k).ok())
-            .ok_or_else(|| Error::Overflow(format!("{}: a tile-order row", self.tensor)))?;
-        f(piece, k).map_err(|e| self.error(e.to_string()))
+        };
+        let done = if to_tiles {
+            order.to_tiles(piece)
+        } else {
+            order.from_tiles(piece)
+        };
+        done.map_err(|e| self.error(e.to_string()))
     }
 }
 
-/// Marks every chunk of `plan`'s tensor `tensor` as held in tile order
-/// ([`PlannedChunk::tile_k`]) for the tensor-core phase `plan`, after
-/// checking that the kernel's plan stores the tensor as row-major `[L, N,
-/// K]` with the phase's N rows and K columns (the permutation assumes
+/// Marks every chunk of the tensor `tensor` as held in tile order `order`
+/// ([`PlannedChunk::tile`]), after checking that the kernel's plan stores
+/// the tensor as row-major `[L, rows, order.k]` (the permutation assumes
 /// it) and that every chunk is whole bands.
 pub fn tile_chunks(
     build: &KernelBuild,
     chunks: &mut [PlannedChunk],
     tensor: &str,
-    plan: &TcPlan,
+    rows: u64,
+    order: TileOrder,
 ) -> Result<()> {
     let bad = |reason: String| Error::Weights {
         tensor: tensor.to_string(),
@@ -163,16 +158,23 @@ pub fn tile_chunks(
         .ok_or_else(|| bad("not in the kernel's plan".into()))?;
     let layout = &t.spec.layout;
     let shape = layout.shape();
-    if shape.len() != 3 || shape[1..] != [plan.rows, plan.k] || *layout != Layout::row_major(shape)?
-    {
+    if shape.len() != 3 || shape[1..] != [rows, order.k] || *layout != Layout::row_major(shape)? {
         return Err(bad(format!(
-            "the tensor-core phase needs a row-major [L, {}, {}] tensor, the plan has {layout}",
-            plan.rows, plan.k
+            "the tensor-core phase needs a row-major [L, {rows}, {}] tensor, the plan has {layout}",
+            order.k
+        )));
+    }
+    // The order is per layer: a band straddling two layers would be
+    // permuted as one.
+    if rows == 0 || rows % order.rows != 0 {
+        return Err(bad(format!(
+            "{rows} rows are not whole bands of {} rows",
+            order.rows
         )));
     }
     let mut found = false;
     for c in chunks.iter_mut().filter(|c| c.tensor == tensor) {
-        c.tile_k = Some(plan.k);
+        c.tile = Some(order);
         c.band_bytes()?;
         found = true;
     }
@@ -209,7 +211,7 @@ pub fn planned_chunks(build: &KernelBuild) -> Result<Vec<PlannedChunk>> {
                 offset,
                 bytes,
                 tensor_bytes,
-                tile_k: None,
+                tile: None,
             });
         }
     }
@@ -450,58 +452,69 @@ pub(crate) mod tests {
         assert!(e.to_string().starts_with("weight tensor q_proj:"), "{e}");
     }
 
-    fn tc(rows: usize, k: usize) -> TcPlan {
-        TcPlan::new(
-            "down_proj",
-            rows as u64,
-            k as u64,
-            &qmk_layout::TC_MACHINE_SM90,
-        )
-        .unwrap()
+    /// The tensor-core MLP's tiling of `config`: each tensor with its rows
+    /// and tile order.
+    fn mlp_tiles(config: &Config) -> [(WeightKind, u64, TileOrder); 3] {
+        let (h, i) = (config.hidden_size as u64, config.intermediate_size as u64);
+        [
+            (WeightKind::DownProj, h, TileOrder::new(i, 16).unwrap()),
+            (WeightKind::GateProj, i, TileOrder::new(h, 8).unwrap()),
+            (WeightKind::UpProj, i, TileOrder::new(h, 8).unwrap()),
+        ]
     }
 
-    /// Only the named tensor's chunks are marked, with the phase's K, and
+    /// Only the named tensors' chunks are marked, each with its order, and
     /// `read_chunk` then gives them in tile order: element (n, k) of layer
-    /// l at `tile_order_offset` inside the layer.
+    /// l at `TileOrder::offset` inside the layer, for 16-row and 8-row
+    /// bands alike.
     #[test]
-    fn tile_chunks_marks_down_proj_and_read_chunk_gives_tile_order() {
+    fn tile_chunks_marks_the_mlp_and_read_chunk_gives_tile_order() {
         let config = tiny(false);
-        let (h, i) = (config.hidden_size, config.intermediate_size);
         let build = KernelBuild::new(&config).unwrap();
         let mut chunks = planned_chunks(&build).unwrap();
-        tile_chunks(&build, &mut chunks, "down_proj", &tc(h, i)).unwrap();
+        let tiles = mlp_tiles(&config);
+        for (kind, rows, order) in tiles {
+            tile_chunks(&build, &mut chunks, kind.name(), rows, order).unwrap();
+        }
         for c in &chunks {
-            let want = (c.tensor == "down_proj").then_some(i as u64);
-            assert_eq!(c.tile_k, want, "{} chunk {}", c.tensor, c.chunk);
+            let want = tiles.iter().find(|t| t.0.name() == c.tensor).map(|t| t.2);
+            assert_eq!(c.tile, want, "{} chunk {}", c.tensor, c.chunk);
         }
         let w = qmk_model::synthetic_weights(&config, 7);
-        let band = 16 * i * 2;
-        for c in chunks.iter().filter(|c| c.tile_k.is_some()) {
-            let mut got = Vec::new();
-            // Pieces of one band and a half: rounded down to one band.
-            read_chunk(&w, c, band + band / 2, &mut |off, piece| {
-                assert_eq!((off % band as u64, piece.len()), (0, band));
-                got.extend_from_slice(piece);
-                Ok(())
-            })
-            .unwrap();
-            let got: &[u16] = bytemuck::cast_slice(&got);
-            let first = (c.offset / 2) as usize;
-            let layers = c.bytes as usize / (h * i * 2);
-            for l in 0..layers {
-                for n in 0..h {
-                    for k in 0..i {
-                        let at = l * h * i
-                            + qmk_layout::tile_order_offset(n as u64, k as u64, i as u64) as usize;
-                        let want = w.down_proj[first + l * h * i + n * i + k].to_bits();
-                        assert_eq!(got[at], want, "layer {l} ({n}, {k})");
+        let mut seen = 0;
+        for (kind, rows, order) in tiles {
+            let (rows, kdim) = (rows as usize, order.k as usize);
+            let layer = rows * kdim;
+            let band = order.rows as usize * kdim * 2;
+            let src = w.get(kind).unwrap();
+            for c in chunks.iter().filter(|c| c.tensor == kind.name()) {
+                let mut got = Vec::new();
+                // Pieces of one band and a half: rounded down to one band.
+                read_chunk(&w, c, band + band / 2, &mut |off, piece| {
+                    assert_eq!((off % band as u64, piece.len()), (0, band));
+                    got.extend_from_slice(piece);
+                    Ok(())
+                })
+                .unwrap();
+                let got: &[u16] = bytemuck::cast_slice(&got);
+                let first = (c.offset / 2) as usize;
+                for l in 0..c.bytes as usize / (layer * 2) {
+                    for n in 0..rows {
+                        for k in 0..kdim {
+                            let at = l * layer + order.offset(n as u64, k as u64) as usize;
+                            let want = src[first + l * layer + n * kdim + k].to_bits();
+                            assert_eq!(got[at], want, "{} layer {l} ({n}, {k})", c.tensor);
+                        }
                     }
                 }
+                // Less than a band per piece cannot be read in tile order.
+                let e = read_chunk(&w, c, band - 2, &mut |_, _| Ok(())).unwrap_err();
+                let msg = format!("{band} bytes ({} rows)", order.rows);
+                assert!(e.to_string().contains(&msg), "{e}");
+                seen += 1;
             }
-            // Less than a band per piece cannot be read in tile order.
-            let e = read_chunk(&w, c, band - 2, &mut |_, _| Ok(())).unwrap_err();
-            assert!(e.to_string().contains(&format!("{band} bytes")), "{e}");
         }
+        assert!(seen >= 3, "{seen} tiled chunks");
     }
 
     #[test]
@@ -509,17 +522,33 @@ pub(crate) mod tests {
         let config = tiny(false);
         let build = KernelBuild::new(&config).unwrap();
         let mut chunks = planned_chunks(&build).unwrap();
-        let (h, i) = (config.hidden_size, config.intermediate_size);
-        for (name, plan) in [("down_proj", tc(h, 2 * i)), ("down_proj", tc(2 * h, i))] {
-            let e = tile_chunks(&build, &mut chunks, name, &plan).unwrap_err();
+        let (h, i) = (config.hidden_size as u64, config.intermediate_size as u64);
+        let down = |k| TileOrder::new(k, 16).unwrap();
+        for (rows, order) in [(h, down(2 * i)), (2 * h, down(i))] {
+            let e = tile_chunks(&build, &mut chunks, "down_proj", rows, order).unwrap_err();
             assert!(e.to_string().starts_with("weight tensor down_proj:"), "{e}");
             assert!(e.to_string().contains("row-major"), "{e}");
         }
-        let e = tile_chunks(&build, &mut chunks, "nope", &tc(h, i)).unwrap_err();
+        let e = tile_chunks(&build, &mut chunks, "nope", h, down(i)).unwrap_err();
         assert!(e.to_string().starts_with("weight tensor nope:"), "{e}");
         // gate_proj is [L, I, H]: the transpose of the down phase's shape.
-        let e = tile_chunks(&build, &mut chunks, "gate_proj", &tc(h, i)).unwrap_err();
+        let e = tile_chunks(&build, &mut chunks, "gate_proj", h, down(i)).unwrap_err();
         assert!(e.to_string().starts_with("weight tensor gate_proj:"), "{e}");
-        assert!(chunks.iter().all(|c| c.tile_k.is_none()));
+        assert!(chunks.iter().all(|c| c.tile.is_none()));
+    }
+
+    /// An order set by hand that `TileOrder::new` refuses is refused by
+    /// every use of the chunk, naming the tensor.
+    #[test]
+    fn a_chunk_of_an_invalid_order_is_refused() {
+        let config = tiny(false);
+        let build = KernelBuild::new(&config).unwrap();
+        let mut chunks = planned_chunks(&build).unwrap();
+        let c = chunks.iter_mut().find(|c| c.tensor == "up_proj").unwrap();
+        c.tile = Some(TileOrder { k: 256, rows: 4 });
+        let e = c.band_bytes().unwrap_err();
+        assert!(e.to_string().starts_with("weight tensor up_proj:"), "{e}");
+        assert!(c.piece_bytes(1 << 20).is_err());
+        assert!(c.to_device_order(&mut [0u8; 2048]).is_err());
     }
 }

@@ -112,7 +112,7 @@ impl WeightSource for RankSource<'_> {
             bytes: whole_bytes,
             tensor_bytes: whole_bytes,
             // Sources give row-major bytes.
-            tile_k: None,
+            tile: None,
         };
         let start = chunk
             .offset
@@ -684,7 +684,7 @@ mod tests {
                         offset: 0,
                         bytes,
                         tensor_bytes: bytes,
-                        tile_k: None,
+                        tile: None,
                     };
                     let mut got = vec![0u8; bytes as usize];
                     // Pieces of 6 bytes: runs split mid-row and across rows.

@@ -12,9 +12,9 @@
 //! of the two rates. Pinned buffers let the copy engine read host memory
 //! directly (no driver bounce through its own staging memory).
 //!
-//! A chunk held in tile order ([`PlannedChunk::tile_k`]) is permuted in the
-//! buffer after the source fills it; its pieces are whole 16-row bands so
-//! that no band is split between two fills.
+//! A chunk held in tile order ([`PlannedChunk::tile`]) is permuted in the
+//! buffer after the source fills it; its pieces are whole bands of its
+//! order so that no band is split between two fills.
 
 use std::time::{Duration, Instant};
 
@@ -581,7 +581,7 @@ mod tests {
     use super::mock::{with, Mock};
     use super::*;
     use qmk_kernels::KernelBuild;
-    use qmk_layout::{OffsetModel, OffsetUnit};
+    use qmk_layout::{OffsetModel, OffsetUnit, TileOrder};
     use qmk_model::{Config, SyntheticSource};
 
     use crate::staging::planned_chunks;
@@ -872,8 +872,8 @@ mod tests {
     }
 
     /// Two layers of a `[32, 64]` tensor, one chunk a layer, held in tile
-    /// order (`tile`) or row-major.
-    fn layers(tensor: &str, tile: bool) -> Vec<PlannedChunk> {
+    /// order with bands of `band` rows (16 or 8), or row-major (`None`).
+    fn layers(tensor: &str, band: Option<u64>) -> Vec<PlannedChunk> {
         (0..2)
             .map(|l| PlannedChunk {
                 tensor: tensor.into(),
@@ -881,22 +881,25 @@ mod tests {
                 offset: l as u64 * 4096,
                 bytes: 4096,
                 tensor_bytes: 8192,
-                tile_k: tile.then_some(64),
+                tile: band.map(|rows| TileOrder::new(64, rows).unwrap()),
             })
             .collect()
     }
 
-    /// A tiled chunk's device bytes are its row-major bytes in tile order,
-    /// element by element, and no piece splits a 16-row band; a row-major
-    /// chunk uploaded beside it is untouched and cut at the buffer's size.
+    /// A tiled chunk's device bytes are its row-major bytes in its tile
+    /// order, element by element (16-row and 8-row bands side by side),
+    /// and no piece splits a band; a row-major chunk uploaded beside them
+    /// is untouched and cut at the buffer's size.
     #[test]
     fn a_tiled_chunk_lands_in_tile_order_in_whole_bands() {
-        // 3,000-byte buffers hold one 2,048-byte band; 7,000-byte ones
-        // three, more than a layer.
-        for (buffer, tiled_piece) in [(3000usize, 2048usize), (7000, 4096)] {
+        // Bands are 2,048 bytes (16 rows) and 1,024 (8 rows): 3,000-byte
+        // buffers hold one of the first and two of the second, 3,500-byte
+        // ones one and three, 7,000-byte ones more than a layer of either.
+        for buffer in [3000usize, 3500, 7000] {
             super::mock::reset();
-            let mut chunks = layers("down_proj", true);
-            chunks.extend(layers("up_proj", false));
+            let mut chunks = layers("down_proj", Some(16));
+            chunks.extend(layers("gate_proj", Some(8)));
+            chunks.extend(layers("up_proj", None));
             let src = Iota::new();
             let opts = UploadOptions {
                 buffers: 2,
@@ -904,18 +907,26 @@ mod tests {
             };
             let (mem, stats) = upload_weights(&Mock, &src, &chunks, &opts, "w", &mut ()).unwrap();
             let reads = src.reads.lock().unwrap().clone();
+            // The most bytes of one piece of each tensor, and its band.
+            let piece = |tensor: &str| match tensor {
+                "down_proj" => (buffer - buffer % 2048, 2048),
+                "gate_proj" => (buffer - buffer % 1024, 1024),
+                _ => (buffer & !1, 2),
+            };
+            let mut pieces = 0;
             for (tensor, off, n) in &reads {
-                if tensor == "down_proj" {
-                    assert_eq!((off % 2048, *n), (0, tiled_piece), "{reads:?}");
-                } else {
-                    assert!(
-                        *n == buffer.min(4096) || off + *n as u64 == 4096,
-                        "{reads:?}"
-                    );
-                }
+                let (most, band) = piece(tensor);
+                let (chunk_off, end) = (off % 4096, off % 4096 + *n as u64);
+                assert!(chunk_off % band as u64 == 0 && *n % band == 0, "{reads:?}");
+                assert!(
+                    *n == most.min(4096) || (*n < most && end == 4096),
+                    "{reads:?}"
+                );
             }
-            let row_pieces = 2 * 4096u64.div_ceil(buffer as u64);
-            assert_eq!(stats.pieces, 2 * 4096 / tiled_piece as u64 + row_pieces);
+            for tensor in ["down_proj", "gate_proj", "up_proj"] {
+                pieces += 2 * 4096u64.div_ceil(piece(tensor).0.min(4096) as u64);
+            }
+            assert_eq!(stats.pieces, pieces);
             with(|s| {
                 for (m, c) in mem.iter().zip(&chunks) {
                     let got: Vec<u16> = s.mem[&m.addr()]
@@ -925,10 +936,7 @@ mod tests {
                     let first = c.offset / 2;
                     for n in 0..32u64 {
                         for k in 0..64u64 {
-                            let at = match c.tile_k {
-                                Some(kdim) => qmk_layout::tile_order_offset(n, k, kdim),
-                                None => n * 64 + k,
-                            };
+                            let at = c.tile.map_or(n * 64 + k, |o| o.offset(n, k));
                             assert_eq!(
                                 u64::from(got[at as usize]),
                                 first + n * 64 + k,
@@ -954,30 +962,37 @@ mod tests {
     #[test]
     fn a_buffer_smaller_than_a_band_is_refused_naming_the_tensor_and_band() {
         super::mock::reset();
-        let mut chunks = layers("up_proj", false);
-        chunks.extend(layers("down_proj", true));
+        let mut chunks = layers("up_proj", None);
+        chunks.extend(layers("gate_proj", Some(8)));
+        chunks.extend(layers("down_proj", Some(16)));
         let src = Iota::new();
-        // 2,047 bytes round down to 2,046: short of a 2,048-byte band.
-        let opts = UploadOptions {
-            buffers: 3,
-            buffer_bytes: 2047,
-        };
-        let e = upload_weights(&Mock, &src, &chunks, &opts, "w", &mut ()).unwrap_err();
-        assert!(
-            matches!(&e, Error::Weights { tensor, reason }
-                if tensor == "down_proj" && reason.contains("band of 2048 bytes")),
-            "{e}"
-        );
-        // Refused before anything was allocated or read.
-        assert!(src.reads.lock().unwrap().is_empty());
-        with(|s| assert!(s.pinned_allocs == 0 && s.mem.is_empty(), "{s:?}"));
-        // One band's worth is enough.
+        // 2,047 bytes round down to 2,046: two 1,024-byte bands of 8 rows,
+        // short of a 2,048-byte band of 16; 1,023 short of either.
+        for (buffer, tensor, band) in [
+            (2047, "down_proj", "band of 2048 bytes (16 rows)"),
+            (1023, "gate_proj", "band of 1024 bytes (8 rows)"),
+        ] {
+            let opts = UploadOptions {
+                buffers: 3,
+                buffer_bytes: buffer,
+            };
+            let e = upload_weights(&Mock, &src, &chunks, &opts, "w", &mut ()).unwrap_err();
+            assert!(
+                matches!(&e, Error::Weights { tensor: t, reason }
+                    if t == tensor && reason.contains(band)),
+                "{e}"
+            );
+            // Refused before anything was allocated or read.
+            assert!(src.reads.lock().unwrap().is_empty());
+            with(|s| assert!(s.pinned_allocs == 0 && s.mem.is_empty(), "{s:?}"));
+        }
+        // One band's worth is enough: 2 pieces a layer of each tensor.
         let opts = UploadOptions {
             buffers: 1,
             buffer_bytes: 2048,
         };
         let (mem, stats) = upload_weights(&Mock, &src, &chunks, &opts, "w", &mut ()).unwrap();
-        assert_eq!(stats.pieces, 8);
+        assert_eq!(stats.pieces, 12);
         drop(mem);
     }
 
@@ -985,49 +1000,57 @@ mod tests {
     /// piece of it would split one), naming the tensor.
     #[test]
     fn a_tiled_chunk_off_the_bands_is_refused() {
-        let mut chunks = layers("down_proj", true);
-        chunks[1].offset = 4096 + 1024;
-        chunks[1].bytes = 3072;
-        let e = upload_weights(
-            &Mock,
-            &Iota::new(),
-            &chunks,
-            &UploadOptions::default(),
-            "w",
-            &mut (),
-        )
-        .unwrap_err();
-        assert!(e.to_string().starts_with("weight tensor down_proj:"), "{e}");
-        assert!(e.to_string().contains("not whole tile-order bands"), "{e}");
-        let mut odd = layers("down_proj", true);
-        odd[0].tile_k = Some(48);
+        // 1,024 bytes are half a 16-row band and 512 half an 8-row one.
+        for (tensor, rows, off) in [("down_proj", 16, 1024), ("gate_proj", 8, 512)] {
+            let mut chunks = layers(tensor, Some(rows));
+            chunks[1].offset = 4096 + off;
+            chunks[1].bytes = 4096 - off;
+            let e = upload_weights(
+                &Mock,
+                &Iota::new(),
+                &chunks,
+                &UploadOptions::default(),
+                "w",
+                &mut (),
+            )
+            .unwrap_err();
+            let e = e.to_string();
+            assert!(e.starts_with(&format!("weight tensor {tensor}:")), "{e}");
+            assert!(e.contains("not whole tile-order bands"), "{e}");
+        }
+        let mut odd = layers("down_proj", Some(16));
+        odd[0].tile = Some(TileOrder { k: 48, rows: 16 });
         let e = odd[0].piece_bytes(1 << 20).unwrap_err();
         assert!(e.to_string().contains("48 elements"), "{e}");
         with(|s| assert!(s.mem.is_empty() && s.pinned.is_empty()));
     }
 
-    /// The upload of a split model with down_proj tiled by the backend's
-    /// rule gives the device bytes `read_chunk` gives (the host form of the
-    /// upload), and those differ from the row-major bytes.
+    /// The upload of a split model with the MLP tiled by the backend's
+    /// rule (down in 16-row bands, gate and up in 8-row ones) gives the
+    /// device bytes `read_chunk` gives (the host form of the upload), and
+    /// those differ from the row-major bytes.
     #[test]
-    fn a_split_model_with_tiled_down_proj_matches_read_chunk() {
+    fn a_split_model_with_a_tiled_mlp_matches_read_chunk() {
         super::mock::reset();
         let (c, mut chunks) = split_model(false);
         let specs = qmk_model::stacked_specs(&c).unwrap();
         let plan =
             qmk_layout::plan_model(&specs, &OffsetModel::new(17, OffsetUnit::Bytes)).unwrap();
         let build = KernelBuild::with_plan(&c, plan).unwrap();
-        let tc = qmk_layout::TcPlan::new(
-            "down_proj",
-            c.hidden_size as u64,
-            c.intermediate_size as u64,
-            &qmk_layout::TC_MACHINE_SM90,
-        )
-        .unwrap();
-        crate::staging::tile_chunks(&build, &mut chunks, "down_proj", &tc).unwrap();
-        assert!(chunks.iter().filter(|x| x.tile_k.is_some()).count() > 1);
+        let (h, i) = (c.hidden_size as u64, c.intermediate_size as u64);
+        let down = TileOrder::new(i, qmk_kernels::TcMlp::DOWN_BAND).unwrap();
+        let gate_up = TileOrder::new(h, qmk_kernels::TcMlp::GATE_UP_BAND).unwrap();
+        for (tensor, rows, order) in [
+            ("down_proj", h, down),
+            ("gate_proj", i, gate_up),
+            ("up_proj", i, gate_up),
+        ] {
+            crate::staging::tile_chunks(&build, &mut chunks, tensor, rows, order).unwrap();
+            let n = chunks.iter().filter(|x| x.tensor == tensor).count();
+            assert!(n > 1, "{tensor}: {n} chunks");
+        }
         let src = SyntheticSource::new(&c, 5).unwrap();
-        let band = 16 * c.intermediate_size * 2;
+        let band = (down.band_bytes().unwrap()).max(gate_up.band_bytes().unwrap()) as usize;
         let opts = UploadOptions {
             buffers: 3,
             buffer_bytes: band * 2 + 100,
@@ -1035,12 +1058,9 @@ mod tests {
         let (mem, _) = upload_weights(&Mock, &src, &chunks, &opts, "w", &mut ()).unwrap();
         with(|s| {
             for (m, x) in mem.iter().zip(&chunks) {
-                let all = |tile_k| {
+                let all = |tile| {
                     let mut v = Vec::new();
-                    let y = PlannedChunk {
-                        tile_k,
-                        ..x.clone()
-                    };
+                    let y = PlannedChunk { tile, ..x.clone() };
                     crate::staging::read_chunk(&src, &y, band * 3, &mut |_, b| {
                         v.extend_from_slice(b);
                         Ok(())
@@ -1049,9 +1069,9 @@ mod tests {
                     v
                 };
                 let got = &s.mem[&m.addr()];
-                assert!(*got == all(x.tile_k), "{} chunk {}", x.tensor, x.chunk);
+                assert!(*got == all(x.tile), "{} chunk {}", x.tensor, x.chunk);
                 let row_major = all(None);
-                assert_eq!(x.tile_k.is_some(), *got != row_major, "{}", x.tensor);
+                assert_eq!(x.tile.is_some(), *got != row_major, "{}", x.tensor);
             }
         });
     }

@@ -72,7 +72,6 @@ pub use plan::{
 };
 pub use shard::{plan_tensor_parallel, shard_tensor, Shard, ShardRule, ShardedTensor, TpPlan};
 pub use tensor_core::{
-    from_tile_order, tile_order_offset, to_tile_order, TcMachine, TcPlan, TC_MACHINE_SM90, TILE_K,
-    TILE_ROWS,
+    TcMachine, TcPlan, TcScratch, TileOrder, TC_MACHINE_SM90, TILE_K, TILE_ROWS,
 };
 pub use units::{Bytes, DType, Elems, KernelOffset};

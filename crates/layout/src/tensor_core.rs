@@ -47,15 +47,17 @@ pub struct TcMachine {
 }
 
 /// The Hopper machine (H100, H200: 132 SMs, 227 KB of shared memory a
-/// CTA): 132 CTAs of 16 warps, 8 tokens, 164 KB of input planes and 32 KB
-/// of local partials, so the multi-token step's static shared memory fits
+/// CTA): 132 CTAs of 16 warps, 8 tokens, 161 KB of input planes (8 tokens'
+/// planes of a whole 5,120-column row: one column block for 14B's and
+/// 32B's gate/up) and 60 KB of local partials (72B's gate/up touches up to
+/// 57 tiles a CTA), so the multi-token step's static shared memory fits
 /// beside them.
 pub const TC_MACHINE_SM90: TcMachine = TcMachine {
     grid: 132,
     warps: 16,
     tmax: 8,
-    input_bytes: 164 * 1024,
-    part_bytes: 32 * 1024,
+    input_bytes: 161 * 1024,
+    part_bytes: 60 * 1024,
     staged: true,
 };
 
@@ -202,96 +204,133 @@ impl TcPlan {
             maxlt,
         })
     }
-
-    /// Offset of the block sums' counters `[rtiles]` u32 in the scratch,
-    /// bytes (the tiles' counters `[tiles]` u32 start at 0).
-    pub fn bcnt_offset(&self) -> u64 {
-        self.tiles * 4
-    }
-
-    /// Offset of the tiles' partial sums `[tiles][slots][16][8]` f32 in the
-    /// scratch, bytes (after the counters, 128-byte aligned).
-    pub fn part_offset(&self) -> u64 {
-        ((self.tiles + self.rtiles) * 4).div_ceil(128) * 128
-    }
-
-    /// Offset of the block sums `[rtiles][nkb][16][8]` f32 in the scratch,
-    /// bytes.
-    pub fn bpart_offset(&self) -> u64 {
-        self.part_offset() + self.tiles * self.slots * TC_TILE_SUM_BYTES
-    }
-
-    /// Bytes of the phase's global scratch: counters, partial sums, block
-    /// sums.
-    pub fn scratch_bytes(&self) -> u64 {
-        self.bpart_offset() + self.rtiles * self.nkb * TC_TILE_SUM_BYTES
-    }
 }
 
-/// Element offset of `(n, k)` in one layer's `[N, kdim]` weights in tile
-/// order: 16-row band, then 32-column k-step, then the 16 x 32 block row by
-/// row. A band occupies the same bytes as in row-major order, and any 8
-/// elements of a row starting at a multiple of 8 stay contiguous.
-pub fn tile_order_offset(n: u64, k: u64, kdim: u64) -> u64 {
-    (n / TILE_ROWS) * TILE_ROWS * kdim
-        + (k / TILE_K) * TILE_ROWS * TILE_K
-        + (n % TILE_ROWS) * TILE_K
-        + k % TILE_K
+/// The tile order of one tensor-core phase's weights: each layer's
+/// `[N, k]` matrix in bands of `rows` rows (16, or 8 where a tile's two
+/// halves come from two tensors, as gate and up), then 32-column k-steps,
+/// then the `rows` x 32 block row by row. A band occupies the same bytes as
+/// in row-major order, and any 8 elements of a row starting at a multiple
+/// of 8 stay contiguous, so 16-byte loaders change only their addresses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TileOrder {
+    /// Elements of a row.
+    pub k: u64,
+    /// Rows of a band: 16 or 8.
+    pub rows: u64,
 }
 
-/// Checks that `bytes` holds whole bands of `[16, k]` bf16; returns the
-/// band's bytes.
-fn band_bytes(bytes: usize, k: usize) -> Result<usize, LayoutError> {
-    let bad = |reason: String| LayoutError::TensorCore {
-        tensor: "tile-order bands".to_string(),
-        reason,
-    };
-    if k == 0 || k as u64 % TILE_K != 0 {
-        return Err(bad(format!("row length {k} is not a multiple of {TILE_K}")));
+impl TileOrder {
+    /// The order of `k`-element rows in bands of `rows` (16 or 8; `k` whole
+    /// k-steps).
+    pub fn new(k: u64, rows: u64) -> Result<TileOrder, LayoutError> {
+        if k == 0 || k % TILE_K != 0 || !(rows == 16 || rows == 8) {
+            return Err(LayoutError::TensorCore {
+                tensor: "tile order".to_string(),
+                reason: format!(
+                    "rows of {k} elements in bands of {rows}: need whole {TILE_K}-column \
+                     k-steps and bands of 16 or 8 rows"
+                ),
+            });
+        }
+        Ok(TileOrder { k, rows })
     }
-    let band = k
-        .checked_mul(TILE_ROWS as usize * 2)
-        .ok_or_else(|| LayoutError::overflow(format!("a band of {k} columns")))?;
-    if bytes % band != 0 {
-        return Err(bad(format!(
-            "{bytes} bytes are not whole bands of {band} bytes"
-        )));
+
+    /// Element offset of `(n, k)` in one layer's `[N, self.k]` weights.
+    pub fn offset(&self, n: u64, k: u64) -> u64 {
+        (n / self.rows) * self.rows * self.k
+            + (k / TILE_K) * self.rows * TILE_K
+            + (n % self.rows) * TILE_K
+            + k % TILE_K
     }
-    Ok(band)
-}
 
-/// Permutes whole 16-row bands of row-major bf16 rows of length `k` into
-/// tile order ([`tile_order_offset`]), in place.
-pub fn to_tile_order(bands: &mut [u8], k: usize) -> Result<(), LayoutError> {
-    permute(bands, k, true)
-}
+    /// Bytes of one band (bf16).
+    pub fn band_bytes(&self) -> Result<u64, LayoutError> {
+        self.k.checked_mul(self.rows * 2).ok_or_else(|| {
+            LayoutError::overflow(format!(
+                "a band of {} rows of {} columns",
+                self.rows, self.k
+            ))
+        })
+    }
 
-/// The inverse of [`to_tile_order`].
-pub fn from_tile_order(bands: &mut [u8], k: usize) -> Result<(), LayoutError> {
-    permute(bands, k, false)
-}
+    /// Permutes whole bands of row-major bf16 rows into this order, in
+    /// place.
+    pub fn to_tiles(&self, bands: &mut [u8]) -> Result<(), LayoutError> {
+        self.permute(bands, true)
+    }
 
-fn permute(bands: &mut [u8], k: usize, to_tiles: bool) -> Result<(), LayoutError> {
-    let band = band_bytes(bands.len(), k)?;
-    let mut tmp = vec![0u8; band];
-    // 8 elements (16 bytes) of a row at a multiple of 8 move together.
-    let pieces_per_row = k / 8;
-    for b in bands.chunks_exact_mut(band) {
-        tmp.copy_from_slice(b);
-        for r in 0..TILE_ROWS as usize {
-            for p in 0..pieces_per_row {
-                let row_major = (r * k + p * 8) * 2;
-                let tiled = tile_order_offset(r as u64, (p * 8) as u64, k as u64) as usize * 2;
-                let (dst, src) = if to_tiles {
-                    (tiled, row_major)
-                } else {
-                    (row_major, tiled)
-                };
-                b[dst..dst + 16].copy_from_slice(&tmp[src..src + 16]);
+    /// The inverse of [`TileOrder::to_tiles`].
+    pub fn from_tiles(&self, bands: &mut [u8]) -> Result<(), LayoutError> {
+        self.permute(bands, false)
+    }
+
+    fn permute(&self, bands: &mut [u8], to_tiles: bool) -> Result<(), LayoutError> {
+        let band = usize::try_from(self.band_bytes()?)
+            .map_err(|_| LayoutError::overflow(format!("a band of {} columns", self.k)))?;
+        if bands.len() % band != 0 {
+            return Err(LayoutError::TensorCore {
+                tensor: "tile-order bands".to_string(),
+                reason: format!("{} bytes are not whole bands of {band} bytes", bands.len()),
+            });
+        }
+        let (k, rows) = (self.k as usize, self.rows as usize);
+        let mut tmp = vec![0u8; band];
+        for b in bands.chunks_exact_mut(band) {
+            tmp.copy_from_slice(b);
+            for r in 0..rows {
+                // 8 elements (16 bytes) of a row at a multiple of 8 move together.
+                for p in 0..k / 8 {
+                    let row_major = (r * k + p * 8) * 2;
+                    let tiled = self.offset(r as u64, (p * 8) as u64) as usize * 2;
+                    let (dst, src) = if to_tiles {
+                        (tiled, row_major)
+                    } else {
+                        (row_major, tiled)
+                    };
+                    b[dst..dst + 16].copy_from_slice(&tmp[src..src + 16]);
+                }
             }
         }
+        Ok(())
     }
-    Ok(())
+}
+
+/// Scratch in global memory shared by the tensor-core phases of a step
+/// (they run one after another, and each leaves its counters at zero):
+/// tile counters `[tiles]` u32 at 0, block counters `[row tiles]` u32,
+/// then the tiles' partial sums `[tiles][slots][16][8]` f32 and the block
+/// sums `[row tiles][blocks][16][8]` f32, each area sized for the largest
+/// phase so that no phase's partials land on another's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcScratch {
+    /// Offset of the block counters, bytes.
+    pub bcnt_offset: u64,
+    /// Offset of the tiles' partial sums, bytes (128-byte aligned).
+    pub part_offset: u64,
+    /// Offset of the block sums, bytes.
+    pub bpart_offset: u64,
+    /// Bytes in all.
+    pub bytes: u64,
+}
+
+impl TcScratch {
+    /// The scratch of `plans`' phases.
+    pub fn for_plans(plans: &[&TcPlan]) -> TcScratch {
+        let most = |f: fn(&TcPlan) -> u64| plans.iter().map(|p| f(p)).max().unwrap_or(0);
+        let tiles = most(|p| p.tiles);
+        let rtiles = most(|p| p.rtiles);
+        let bcnt_offset = tiles * 4;
+        let part_offset = ((tiles + rtiles) * 4).div_ceil(128) * 128;
+        let bpart_offset = part_offset + most(|p| p.tiles * p.slots * TC_TILE_SUM_BYTES);
+        let bytes = bpart_offset + most(|p| p.rtiles * p.nkb * TC_TILE_SUM_BYTES);
+        TcScratch {
+            bcnt_offset,
+            part_offset,
+            bpart_offset,
+            bytes,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -303,14 +342,19 @@ mod tests {
     }
 
     #[test]
-    fn down_plans_of_every_size_match_the_kernel_arithmetic() {
+    fn mlp_plans_of_every_size_match_the_kernel_arithmetic() {
         // (rows, k) -> (blocks, block k-steps, slots, local tiles), as the
-        // kernel's constexpr plan computes them on the same machine.
+        // kernel's constexpr plan computes them on the same machine: down
+        // [H, I], then gate/up [2 I, H].
         let cases = [
             ((3584, 18944), (4, 148, 4, 8)),  // 7B
             ((5120, 13824), (3, 144, 4, 9)),  // 14B
             ((5120, 27648), (6, 144, 3, 16)), // 32B
             ((8192, 29568), (6, 154, 2, 25)), // 72B
+            ((37888, 3584), (1, 112, 2, 19)),
+            ((27648, 5120), (1, 160, 3, 15)),
+            ((55296, 5120), (1, 160, 2, 28)),
+            ((59136, 8192), (2, 128, 2, 57)),
         ];
         for ((rows, k), (nkb, ks, slots, maxlt)) in cases {
             let p = plan(rows, k);
@@ -323,16 +367,27 @@ mod tests {
             assert_eq!(p.tiles, rows / 16 * nkb);
             assert!(!p.sparse);
         }
+        // The machine fits beside the multi-token step's 4 KB of static
+        // shared memory in sm_90's 227 KB.
+        assert!(TC_MACHINE_SM90.smem_bytes() + 4096 <= 227 * 1024);
     }
 
     #[test]
-    fn scratch_holds_counters_then_slots_then_block_sums() {
-        let p = plan(3584, 18944);
-        assert_eq!(p.bcnt_offset(), 896 * 4);
-        assert_eq!(p.part_offset(), (896 + 224) * 4);
-        assert_eq!(p.part_offset() % 128, 0);
-        assert_eq!(p.bpart_offset(), p.part_offset() + 896 * 4 * 512);
-        assert_eq!(p.scratch_bytes(), p.bpart_offset() + 224 * 4 * 512);
+    fn scratch_gives_every_phase_counters_then_slots_then_block_sums() {
+        let down = plan(3584, 18944);
+        let gu = plan(37888, 3584);
+        let s = TcScratch::for_plans(&[&down, &gu]);
+        // gate/up has the most tiles and row tiles (2,368 each, one block).
+        assert_eq!(s.bcnt_offset, 2368 * 4);
+        assert_eq!(s.part_offset, ((2368 + 2368) * 4_u64).div_ceil(128) * 128);
+        assert_eq!(s.part_offset % 128, 0);
+        // gate/up's slots (2,368 tiles x 2) outnumber down's (896 x 4), and
+        // its block sums (2,368 row tiles x 1 block) down's (224 x 4).
+        assert_eq!(s.bpart_offset, s.part_offset + 2368 * 2 * 512);
+        assert_eq!(s.bytes, s.bpart_offset + 2368 * 512);
+        let alone = TcScratch::for_plans(&[&down]);
+        assert_eq!(alone.bcnt_offset, 896 * 4);
+        assert!(alone.bytes < s.bytes);
     }
 
     #[test]
@@ -352,54 +407,63 @@ mod tests {
 
     #[test]
     fn tile_order_moves_every_element_to_its_offset_and_back() {
-        let (rows, k) = (32usize, 96usize);
-        let orig: Vec<u8> = (0..rows * k)
-            .flat_map(|i| (i as u16).to_le_bytes())
-            .collect();
-        let mut t = orig.clone();
-        to_tile_order(&mut t, k).unwrap();
-        for n in 0..rows {
-            for c in 0..k {
-                let at = tile_order_offset(n as u64, c as u64, k as u64) as usize * 2;
-                let v = u16::from_le_bytes([t[at], t[at + 1]]) as usize;
-                assert_eq!(v, n * k + c, "element ({n}, {c})");
+        for band in [16u64, 8] {
+            let (rows, k) = (32usize, 96usize);
+            let order = TileOrder::new(k as u64, band).unwrap();
+            let orig: Vec<u8> = (0..rows * k)
+                .flat_map(|i| (i as u16).to_le_bytes())
+                .collect();
+            let mut t = orig.clone();
+            order.to_tiles(&mut t).unwrap();
+            for n in 0..rows {
+                for c in 0..k {
+                    let at = order.offset(n as u64, c as u64) as usize * 2;
+                    let v = u16::from_le_bytes([t[at], t[at + 1]]) as usize;
+                    assert_eq!(v, n * k + c, "bands of {band}: element ({n}, {c})");
+                }
             }
+            assert_ne!(t, orig);
+            // A band stays in its own bytes.
+            let bytes = order.band_bytes().unwrap() as usize;
+            assert_eq!(bytes, band as usize * k * 2);
+            let mut sorted_a = orig[..bytes].to_vec();
+            let mut sorted_b = t[..bytes].to_vec();
+            sorted_a.sort_unstable();
+            sorted_b.sort_unstable();
+            assert_eq!(sorted_a, sorted_b);
+            order.from_tiles(&mut t).unwrap();
+            assert_eq!(t, orig);
         }
-        assert_ne!(t, orig);
-        // A band stays in its own bytes.
-        let band = 16 * k * 2;
-        let mut sorted_a = orig[..band].to_vec();
-        let mut sorted_b = t[..band].to_vec();
-        sorted_a.sort_unstable();
-        sorted_b.sort_unstable();
-        assert_eq!(sorted_a, sorted_b);
-        from_tile_order(&mut t, k).unwrap();
-        assert_eq!(t, orig);
     }
 
     #[test]
-    fn partial_bands_and_odd_rows_are_refused() {
+    fn partial_bands_and_odd_shapes_are_refused() {
+        let order = TileOrder::new(64, 16).unwrap();
         let mut b = vec![0u8; 16 * 64 * 2 + 2];
-        assert!(to_tile_order(&mut b, 64).is_err());
-        let mut b = vec![0u8; 16 * 40 * 2];
-        assert!(to_tile_order(&mut b, 40).is_err());
+        assert!(order.to_tiles(&mut b).is_err());
+        assert!(TileOrder::new(40, 16).is_err());
+        assert!(TileOrder::new(64, 4).is_err());
     }
 
     #[test]
     fn the_first_rows_of_a_kstep_lie_where_the_lanes_load_them() {
         // Lane (g, q) loads 8 elements of rows g and g + 8 at k-step j,
-        // column 8 q: offsets j 512 + 8 lane and that + 256.
+        // column 8 q: in 16-row bands offsets j 512 + 8 lane and that + 256;
+        // in 8-row bands (a tile's halves in two tensors) j 256 + 8 lane.
         let k = 18944;
+        let (t16, t8) = (
+            TileOrder::new(k, 16).unwrap(),
+            TileOrder::new(k, 8).unwrap(),
+        );
         for j in [0u64, 1, 147] {
             for lane in 0..32u64 {
                 let (g, q) = (lane / 4, lane % 4);
-                assert_eq!(tile_order_offset(g, 32 * j + 8 * q, k), j * 512 + 8 * lane);
-                assert_eq!(
-                    tile_order_offset(g + 8, 32 * j + 8 * q, k),
-                    j * 512 + 256 + 8 * lane
-                );
+                assert_eq!(t16.offset(g, 32 * j + 8 * q), j * 512 + 8 * lane);
+                assert_eq!(t16.offset(g + 8, 32 * j + 8 * q), j * 512 + 256 + 8 * lane);
+                assert_eq!(t8.offset(g, 32 * j + 8 * q), j * 256 + 8 * lane);
+                assert_eq!(t8.offset(8 + g, 32 * j + 8 * q), 8 * k + j * 256 + 8 * lane);
             }
         }
-        assert_eq!(tile_order_offset(16, 0, k), 16 * k);
+        assert_eq!(t16.offset(16, 0), 16 * k);
     }
 }

@@ -51,16 +51,25 @@ QMK_TENSOR_TRAITS(gate_proj)
 QMK_TENSOR_TRAITS(up_proj)
 QMK_TENSOR_TRAITS(down_proj)
 
-// Whether a tensor's layers are stored in tile order (qmk_layout's
-// tile_order_offset): down_proj where the decode step reads it on tensor
-// cores (decode/tc_phase.cuh); the weight upload permutes it.
+// Rows of a band where a tensor's layers are stored in tile order
+// (qmk_layout::TileOrder), 0 in row-major order: the MLP's weights where
+// the decode step reads them on tensor cores (decode/tc_phase.cuh), down in
+// 16-row bands, gate and up in 8-row ones; the weight upload permutes them.
 template <class T>
 struct TileOrder {
-    static constexpr bool v = false;
+    static constexpr u32 rows = 0;
 };
 template <>
 struct TileOrder<down_proj_t> {
-    static constexpr bool v = QMK_TC_DOWN != 0;
+    static constexpr u32 rows = QMK_TC_MLP ? 16u : 0u;
+};
+template <>
+struct TileOrder<gate_proj_t> {
+    static constexpr u32 rows = QMK_TC_MLP ? 8u : 0u;
+};
+template <>
+struct TileOrder<up_proj_t> {
+    static constexpr u32 rows = QMK_TC_MLP ? 8u : 0u;
 };
 
 // Chunk holding `layer` (compile-time chunk table, runtime layer).

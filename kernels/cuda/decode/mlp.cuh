@@ -2,8 +2,9 @@
 //   gate_up (phase 4): post_attention_layernorm, then h[r] = silu(gate[r]) * up[r]
 //                      (one warp computes both rows r: shared activation reads)
 //   down    (phase 5): x[r] += down[layer, r, :] . h (a tensor-parallel rank
-//                      writes its partial instead, as o_proj does; on tensor
-//                      cores where QMK_TC_DOWN, decode/tc_phase.cuh)
+//                      writes its partial instead, as o_proj does)
+// Where the build asks for them (QMK_TC_MLP), both run on tensor cores
+// instead (decode/tc_phase.cuh), the multi-token step's arithmetic.
 #pragma once
 
 namespace qmk {
@@ -11,6 +12,12 @@ namespace qmk {
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 __device__ __forceinline__ void mlp_gate_up(const Params& p, u32 layer, float* xs, float* red) {
+#if QMK_TC_MLP
+    float* hr = reinterpret_cast<float*>(p.mlp_h);  // [I] f32
+    tc::gate_up<1>(p, layer, reinterpret_cast<const float*>(p.x), xs,
+                   [hr](int r, int, float gate, float up) { hr[r] = silu(gate) * up; });
+    return;
+#endif
     const LayerView<post_attention_layernorm_t> ln(p.post_attention_layernorm, layer);
     const float* x = reinterpret_cast<const float*>(p.x);  // [H] f32
     const LayerView<gate_proj_t> wg(p.gate_proj, layer);
@@ -32,11 +39,10 @@ __device__ __forceinline__ void mlp_gate_up(const Params& p, u32 layer, float* x
 }
 
 __device__ __forceinline__ void mlp_down(const Params& p, u32 layer, float* xs) {
-#if QMK_TC_DOWN
-    // On tensor cores (decode/tc_phase.cuh): the multi-token step's bits.
+#if QMK_TC_MLP
     float* xr = reinterpret_cast<float*>(p.x);  // [H] f32
     tc::down<1>(p, layer, reinterpret_cast<const float*>(p.mlp_h), xs,
-                [&](int r, int, float v) { xr[r] = __ldcg(xr + r) + v; });
+                [xr](int r, int, float v) { xr[r] = __ldcg(xr + r) + v; });
     return;
 #endif
     const LayerView<down_proj_t> w(p.down_proj, layer);

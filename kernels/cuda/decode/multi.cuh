@@ -653,6 +653,13 @@ __device__ __forceinline__ void mt_o_proj(const MultiParams& m, const MtTokens<T
 // silu(gate[r] . n[t]) * (up[r] . n[t]), one warp per row r of both.
 template <int T>
 __device__ __forceinline__ void mt_gate_up(const MultiParams& m, u32 layer, float* xs, float* red) {
+#if QMK_TC_MLP
+    // The one-token step's tensor-core phase at T tokens: the same bits.
+    float* hr = reinterpret_cast<float*>(m.mlp_h);  // [T, I] f32
+    tc::gate_up<T>(m.base, layer, reinterpret_cast<const float*>(m.x), xs,
+                   [hr](int r, int t, float gate, float up) { hr[t * QMK_INTER + r] = silu(gate) * up; });
+    return;
+#endif
     const Params& p = m.base;
     constexpr u32 XS = mt_stride(QMK_HIDDEN);
     const LayerView<post_attention_layernorm_t> ln(p.post_attention_layernorm, layer);
@@ -684,10 +691,10 @@ __device__ __forceinline__ void mt_gate_up(const MultiParams& m, u32 layer, floa
 // down + residual for T tokens: x[t, r] += down[r] . h[t].
 template <int T>
 __device__ __forceinline__ void mt_down(const MultiParams& m, u32 layer, float* xs) {
-#if QMK_TC_DOWN
+#if QMK_TC_MLP
     // The one-token step's tensor-core phase at T tokens: the same bits.
     float* xr = reinterpret_cast<float*>(m.x);  // [T, H] f32
-    tc::down<T>(m.base, layer, reinterpret_cast<const float*>(m.mlp_h), xs, [&](int r, int t, float v) {
+    tc::down<T>(m.base, layer, reinterpret_cast<const float*>(m.mlp_h), xs, [xr](int r, int t, float v) {
         xr[t * QMK_HIDDEN + r] = __ldcg(xr + t * QMK_HIDDEN + r) + v;
     });
     return;
@@ -835,7 +842,7 @@ __device__ __forceinline__ void decode_multi(const MultiParams& m) {
             for (u32 i = threadIdx.x; i < kAttnTicketWords; i += QMK_THREADS) part[t * m.part_words + i] = 0u;
         __threadfence();
     }
-#if QMK_TC_DOWN
+#if QMK_TC_MLP
     if (blockIdx.x == 0) tc::zero_counters(p);
 #endif
     GridBarrierT<true> bar;  // traced with kFlagTrace, as the one-token step

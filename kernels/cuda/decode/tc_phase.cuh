@@ -1,14 +1,17 @@
 // decode/tc_phase.cuh: a weight phase on tensor cores, shared by the
-// one-token and the multi-token step (today the MLP's down from 7B up, where
-// QMK_TC_DOWN is 1):
+// one-token and the multi-token step (the MLP's gate/up and down from 7B up,
+// where the build asks for it: QMK_TC_MLP):
 //
 //   y[t][r] = W[r, :] . (hi[t][:] + lo[t][:])   for r < ROWS, t < T
 //
-// - Weights [ROWS, K] bf16 in tile order (qmk_layout::tile_order_offset):
-//   16-row tile, 32-column k-step, then the 16 x 32 block row by row. Lane
-//   (g, q) loads 16 bytes of rows g and g + 8 at column 8 q of a k-step:
-//   its A fragments of two m16n8k16 MMAs, whose k order both operands
-//   share. Each load instruction of a warp reads 512 contiguous bytes.
+// - Weights [ROWS, K] bf16 in tile order (qmk_layout::TileOrder): bands of
+//   BAND rows, 32-column k-steps, then the BAND x 32 block row by row. A
+//   tile is 16 rows: with BAND 16 one band; with BAND 8 a band of one tensor
+//   (gate) and the same band of another (up), so one lane holds both rows
+//   of its epilogue. Lane (g, q) loads 16 bytes of the tile's rows g and
+//   g + 8 at column 8 q of a k-step: its A fragments of two m16n8k16 MMAs,
+//   whose k order both operands share. Each load instruction of a warp reads
+//   512 (BAND 16) or twice 256 contiguous bytes.
 // - Inputs: two bf16 planes per token in shared memory, hi = bf16(x) and
 //   lo = bf16(x - hi), so the sums keep 16 bits of each input's mantissa
 //   (plain bf16 inputs move Hugging Face's logprobs a thousand times
@@ -31,8 +34,8 @@
 // bit-identical at every T, on every grid.
 #pragma once
 
-#if !defined(QMK_TC_DOWN)
-#error "QMK_TC_DOWN comes from KernelBuild::arch_options"
+#if !defined(QMK_TC_MLP)
+#error "QMK_TC_MLP comes from KernelBuild::arch_options"
 #endif
 
 namespace qmk {
@@ -98,9 +101,6 @@ struct Plan {
     static_assert((MAXLT + (M::staged ? 2 : 0)) * SLOTS * 512 <= M::part_bytes, "a CTA's local partials fit");
     static_assert(2 * M::tmax * P * 2 <= M::input_bytes, "tmax tokens' planes fit");
     static_assert(KB % 8 == 0 && P % 8 == 0, "16-byte aligned plane rows");
-    // Elements from one k-step's loads to the next, and from rows g to g + 8.
-    static constexpr int JSTRIDE = 512;
-    static constexpr int HOFF = 256;
 };
 
 // A phase's global scratch (Params::tc_scratch, laid out by qmk_layout's
@@ -154,19 +154,87 @@ struct F32Planes {
     }
 };
 
+// The RMSNorm of T residual streams [T][H] f32 (written by the previous
+// phase) times the norm weight [H] bf16, split into the planes as the CTA
+// fills its block. Each token's sum of squares takes rms_norm's order (a
+// thread's elements ascending, then the warp and CTA trees) whatever T is.
+// red: [tmax][QMK_WARPS] f32 in shared memory.
+struct NormPlanes {
+    const float* x;
+    const char* w;
+    float eps;
+    float* red;
+    template <int T, int P>
+    __device__ __forceinline__ void fill(u16* xs, int b0, int kb) const {
+        constexpr int PER = ((int)QMK_HIDDEN + QMK_THREADS - 1) / QMK_THREADS;
+        const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int j = 0; j < PER; ++j) {
+                const int i = tid + j * QMK_THREADS;
+                if (i < (int)QMK_HIDDEN) {
+                    const float v = __ldcg(x + (size_t)t * QMK_HIDDEN + i);
+                    ss = fmaf(v, v, ss);
+                }
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) red[t * QMK_WARPS + warp] = ss;
+        }
+        __syncthreads();
+        float inv[T];
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+            float s = lane < QMK_WARPS ? red[t * QMK_WARPS + lane] : 0.0f;
+            s = warp_sum(s);
+            inv[t] = 1.0f / sqrtf(s / (float)QMK_HIDDEN + eps);
+        }
+        const int nv = kb / 8, n = T * nv;  // 8-element groups
+        for (int i = tid; i < n; i += QMK_THREADS) {
+            const int t = i / nv, v = i - t * nv, col = b0 + 8 * v;
+            const float4* src = reinterpret_cast<const float4*>(x + (size_t)t * QMK_HIDDEN + col);
+            const float4 a = __ldcg(src), b = __ldcg(src + 1);
+            const uint4 wv = *reinterpret_cast<const uint4*>(w + (size_t)col * 2);
+            float r = inv[0];
+#pragma unroll
+            for (int u = 1; u < T; ++u)
+                if (u == t) r = inv[u];
+            const u32 ww[4] = {wv.x, wv.y, wv.z, wv.w};
+            const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            u32 hi[4], lo[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float y0 = f[2 * j] * r * bf16_lo(ww[j]), y1 = f[2 * j + 1] * r * bf16_hi(ww[j]);
+                hi[j] = cvt_bf16x2(y0, y1);
+                lo[j] = cvt_bf16x2(y0 - bf16_lo(hi[j]), y1 - bf16_hi(hi[j]));
+            }
+            reinterpret_cast<uint4*>(xs + t * P)[v] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+            reinterpret_cast<uint4*>(xs + (T + t) * P)[v] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+        }
+    }
+};
+
 // One phase for T tokens, nominal CTA `cta`. w: the layer's weights in tile
-// order; in: the inputs (fill<T, P>); xs: the CTA's dynamic shared memory
-// (input_bytes of planes, then part_bytes of local partials); epi(r, t, v):
-// output (row r, token t) = v, called once for each r < ROWS, t < T. The
-// caller separates two nominal CTAs of one CTA with a block barrier.
-template <int K, int ROWS, int T, class M, class In, class Epi>
-__device__ __noinline__ void phase(const u16* __restrict__ w, const In& in, u16* xs, const Scratch& sc, int cta,
-                                      Epi epi) {
+// order, bands of BAND rows; hoff: elements from a tile's row g to its row
+// g + 8 (256 in 16-row bands; with 8-row bands, from the first tensor to the
+// second); in: the inputs (fill<T, P>); xs: the CTA's dynamic shared memory
+// (input_bytes of planes, then part_bytes of local partials); epi(rt, g, t,
+// top, bottom): the sums of tile rt's rows g and g + 8 for token t, called
+// once for each rt, g < 8, t < T. The caller separates two nominal CTAs of
+// one CTA with a block barrier. Not inlined: its registers are its own, as
+// in the lab that measured it.
+template <int K, int ROWS, int T, int BAND, class M, class In, class Epi>
+__device__ __noinline__ void phase(const u16* __restrict__ w, long long hoff, const In& in, u16* xs, const Scratch& sc,
+                                   int cta, Epi epi) {
     using PL = Plan<K, ROWS, M>;
     constexpr int NWT = PL::NWT, KS = PL::KS, RTILES = PL::RTILES, W = PL::W, SLOTS = PL::SLOTS;
     constexpr int WARPS = M::warps;
     static_assert(T >= 1 && T <= M::tmax && T <= 8, "tokens are the 8 columns of B");
     static_assert(WARPS == QMK_WARPS, "the plan's warps are the CTA's");
+    static_assert(BAND == 16 || BAND == 8, "bands of 16 or 8 rows");
+    // Elements from one k-step's loads to the next.
+    constexpr int JSTRIDE = BAND * 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
     const int me = cta * WARPS + warp;
     const unsigned xs_base = (unsigned)__cvta_generic_to_shared(xs);
@@ -232,15 +300,9 @@ __device__ __noinline__ void phase(const u16* __restrict__ w, const In& in, u16*
     };
     auto add = [](float2& a, float2 b) { a = make_float2(a.x + b.x, a.y + b.y); };
     auto write = [&](int rt, float2 a, float2 b) {
-        const int r0 = rt * 16 + g, t0 = 2 * q;
-        if (t0 < T) {
-            epi(r0, t0, a.x);
-            epi(r0 + 8, t0, b.x);
-        }
-        if (t0 + 1 < T) {
-            epi(r0, t0 + 1, a.y);
-            epi(r0 + 8, t0 + 1, b.y);
-        }
+        const int t0 = 2 * q;
+        if (t0 < T) epi(rt, g, t0, a.x, b.x);
+        if (t0 + 1 < T) epi(rt, g, t0 + 1, a.y, b.y);
     };
     // A tile's whole sums over its block; with column blocks the last of the
     // NKB blocks to arrive adds them in block order.
@@ -349,7 +411,7 @@ __device__ __noinline__ void phase(const u16* __restrict__ w, const In& in, u16*
     };
     // Lane (g, q)'s first element of the tile's block at k-step 0.
     auto rows_at = [&](int tile) {
-        return w + (size_t)(tile % RTILES) * 16 * K + (size_t)(tile / RTILES) * KS * PL::JSTRIDE + 8 * lane;
+        return w + (size_t)(tile % RTILES) * BAND * K + (size_t)(tile / RTILES) * KS * JSTRIDE + 8 * lane;
     };
 
     // Two cursors over the warp's (piece, k-step) sequence: the loads run one
@@ -375,8 +437,8 @@ __device__ __noinline__ void phase(const u16* __restrict__ w, const In& in, u16*
 #pragma unroll
         for (int i = 0; i < kNb; ++i)
             if (lc.j + i < lc.j1) {
-                wa[i] = ld_w16(lc.r + (size_t)PL::JSTRIDE * (lc.j + i));
-                wb[i] = ld_w16(lc.r + PL::HOFF + (size_t)PL::JSTRIDE * (lc.j + i));
+                wa[i] = ld_w16(lc.r + (size_t)JSTRIDE * (lc.j + i));
+                wb[i] = ld_w16(lc.r + (BAND == 16 ? 256 : hoff) + (size_t)JSTRIDE * (lc.j + i));
             }
         lc.j += kNb;
         if (lc.j >= lc.j1) {
@@ -417,11 +479,11 @@ __device__ __noinline__ void phase(const u16* __restrict__ w, const In& in, u16*
     local_sums();
 }
 
-#if QMK_TC_DOWN && !QMK_TENSOR_CORES
+#if QMK_TC_MLP && !QMK_TENSOR_CORES
 #error "the tensor-core phases run only where the build asks for them"
 #endif
 
-#if QMK_TC_DOWN
+#if QMK_TC_MLP
 // The nominal machine the plans are rendered for (qmk_layout::TcMachine).
 struct Machine {
     static constexpr int grid = QMK_TC_GRID, warps = QMK_WARPS, tmax = QMK_TC_TMAX;
@@ -430,15 +492,26 @@ struct Machine {
 };
 static_assert(QMK_TP_RANKS == 1, "a tensor-parallel rank keeps CUDA cores");
 static_assert(Machine::input_bytes + Machine::part_bytes <= QMK_SMEM_FLOATS * 4,
-              "the one-token step's shared memory holds the tensor-core phase");
+              "the one-token step's shared memory holds the tensor-core phases");
+// down [H, I] in 16-row bands; gate/up [2 I, H]: tile rt is rows 8 rt ..
+// 8 rt + 7 of gate, then the same rows of up.
 using DownPlan = Plan<(int)QMK_INTER, (int)QMK_HIDDEN, Machine>;
+using GateUpPlan = Plan<(int)QMK_HIDDEN, 2 * (int)QMK_INTER, Machine>;
 static_assert(DownPlan::NKB == QMK_TC_DOWN_NKB && DownPlan::SLOTS == QMK_TC_DOWN_SLOTS &&
                   DownPlan::MAXLT == QMK_TC_DOWN_MAXLT,
               "the kernel's down plan differs from qmk_layout::TcPlan");
-static_assert(QMK_TC_PART_OFF >= (DownPlan::TILES + DownPlan::RTILES) * 4 && QMK_TC_PART_OFF % 16 == 0 &&
-                  QMK_TC_BPART_OFF >= QMK_TC_PART_OFF + DownPlan::TILES * DownPlan::SLOTS * 512 &&
-                  QMK_TC_BCNT_OFF == DownPlan::TILES * 4,
-              "the scratch layout differs from qmk_layout::TcPlan");
+static_assert(GateUpPlan::NKB == QMK_TC_GU_NKB && GateUpPlan::SLOTS == QMK_TC_GU_SLOTS &&
+                  GateUpPlan::MAXLT == QMK_TC_GU_MAXLT,
+              "the kernel's gate/up plan differs from qmk_layout::TcPlan");
+// The scratch (qmk_layout::TcScratch) holds either phase.
+template <class PL>
+constexpr bool fits_scratch() {
+    return PL::TILES * 4 <= QMK_TC_BCNT_OFF && PL::RTILES * 4 <= QMK_TC_PART_OFF - QMK_TC_BCNT_OFF &&
+           (long long)PL::TILES * PL::SLOTS * 512 <= (long long)QMK_TC_BPART_OFF - QMK_TC_PART_OFF &&
+           (long long)PL::RTILES * PL::NKB * 512 <= (long long)QMK_TC_SCRATCH_BYTES - QMK_TC_BPART_OFF;
+}
+static_assert(fits_scratch<DownPlan>() && fits_scratch<GateUpPlan>() && QMK_TC_PART_OFF % 16 == 0,
+              "the scratch layout differs from qmk_layout::TcScratch");
 
 __device__ __forceinline__ Scratch scratch(const Params& p) {
     char* b = reinterpret_cast<char*>(p.tc_scratch);
@@ -447,7 +520,7 @@ __device__ __forceinline__ Scratch scratch(const Params& p) {
 }
 
 // CTA 0 at a step's start: every counter to zero (a step that ended early
-// may have left some raised); the grid barriers before the first down phase
+// may have left some raised); the grid barriers before the first phase
 // publish it.
 __device__ __forceinline__ void zero_counters(const Params& p) {
     u32* c = reinterpret_cast<u32*>(p.tc_scratch);
@@ -455,17 +528,50 @@ __device__ __forceinline__ void zero_counters(const Params& p) {
     __threadfence();
 }
 
+// Runs the nominal CTAs of this CTA in turn.
+template <class Run>
+__device__ __forceinline__ void each_cta(Run run) {
+    for (u32 cta = blockIdx.x; cta < (u32)Machine::grid; cta += gridDim.x) {
+        if (cta != blockIdx.x) __syncthreads();  // the previous nominal CTA's shared memory is read
+        run((int)cta);
+    }
+}
+
 // down for T tokens: epi(r, t, v) gets down[r] . h[t] (h [T, I] f32).
 template <int T, class Epi>
 __device__ __forceinline__ void down(const Params& p, u32 layer, const float* h, float* xs, Epi epi) {
     const LayerView<down_proj_t> wv(p.down_proj, layer);
-    const u16* w = reinterpret_cast<const u16*>(wv.row(0));  // [H, I] bf16 in tile order
+    const u16* w = reinterpret_cast<const u16*>(wv.row(0));  // [H, I] bf16, 16-row bands
     const Scratch sc = scratch(p);
     const F32Planes in{h, (int)QMK_INTER};
-    for (u32 cta = blockIdx.x; cta < (u32)Machine::grid; cta += gridDim.x) {
-        if (cta != blockIdx.x) __syncthreads();  // the previous nominal CTA's shared memory is read
-        phase<(int)QMK_INTER, (int)QMK_HIDDEN, T, Machine>(w, in, reinterpret_cast<u16*>(xs), sc, (int)cta, epi);
-    }
+    each_cta([&](int cta) {
+        phase<(int)QMK_INTER, (int)QMK_HIDDEN, T, 16, Machine>(
+            w, 256, in, reinterpret_cast<u16*>(xs), sc, cta, [epi](int rt, int g, int t, float top, float bottom) {
+                epi(rt * 16 + g, t, top);
+                epi(rt * 16 + g + 8, t, bottom);
+            });
+    });
+}
+
+// post_attention_layernorm + gate/up for T tokens: epi(r, t, gate, up)
+// gets gate[r] . n[t] and up[r] . n[t], n[t] the normed residual x[t]
+// ([T, H] f32).
+template <int T, class Epi>
+__device__ __forceinline__ void gate_up(const Params& p, u32 layer, const float* x, float* xs, Epi epi) {
+    __shared__ float red[QMK_TC_TMAX * QMK_WARPS];
+    const LayerView<post_attention_layernorm_t> ln(p.post_attention_layernorm, layer);
+    const LayerView<gate_proj_t> wg(p.gate_proj, layer);
+    const LayerView<up_proj_t> wu(p.up_proj, layer);
+    const u16* g0 = reinterpret_cast<const u16*>(wg.row(0));  // [I, H] bf16, 8-row bands
+    const u16* u0 = reinterpret_cast<const u16*>(wu.row(0));  // [I, H] bf16, 8-row bands
+    const long long hoff = (reinterpret_cast<const char*>(u0) - reinterpret_cast<const char*>(g0)) / 2;
+    const Scratch sc = scratch(p);
+    const NormPlanes in{x, ln.at(0), p.rms_norm_eps, red};
+    each_cta([&](int cta) {
+        phase<(int)QMK_HIDDEN, 2 * (int)QMK_INTER, T, 8, Machine>(
+            g0, hoff, in, reinterpret_cast<u16*>(xs), sc, cta,
+            [epi](int rt, int g, int t, float gate, float up) { epi(rt * 8 + g, t, gate, up); });
+    });
 }
 #endif
 

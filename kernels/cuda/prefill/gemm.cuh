@@ -36,14 +36,15 @@ static_assert(QMK_THREADS == 512, "the GEMM tile assumes 16 warps");
 // Rows of one weight tensor's layer slice: row(n) = base + li*s0 + n*s1 in
 // koff_t, the same value LayerView::row gives (offset3), selectable at run
 // time (q, k and v tiles share one instantiation). A tensor the decode step
-// reads on tensor cores is stored in tile order (TileOrder): 16-row bands of
-// 32-column k-steps, each 16 x 32 block row by row; its 16-byte pieces stay
-// whole, so the loaders change only their addresses (piece, kmul).
+// reads on tensor cores is stored in tile order (TileOrder): bands of B rows
+// (16 or 8) of 32-column k-steps, each B x 32 block row by row; its 16-byte
+// pieces stay whole, so the loaders change only their addresses (piece,
+// kmul).
 struct WRows {
     const char* base;
     koff_t layer_off;  // li * stride0 bytes (koff_t)
     koff_t row_bytes;  // stride1 bytes
-    u32 kmul;          // bytes moved per byte of k at a k-step start: 1, or 16 in tile order
+    u32 kmul;          // 1 in row-major order; B, the band's rows, in tile order
     __device__ __forceinline__ const char* row(u32 n) const {
         return base + (koff_t)(layer_off + (koff_t)n * row_bytes);
     }
@@ -51,8 +52,8 @@ struct WRows {
     // of a k-step start d (a multiple of 64 bytes) lies d * kmul further.
     __device__ __forceinline__ const char* piece(u32 n, u32 kb) const {
         if (kmul == 1u) return row(n) + kb;
-        return base + (koff_t)(layer_off + (koff_t)(n & ~15u) * row_bytes + (n & 15u) * 64u + (kb / 64u) * 1024u +
-                               kb % 64u);
+        return base + (koff_t)(layer_off + (koff_t)(n & ~(kmul - 1u)) * row_bytes + (n & (kmul - 1u)) * 64u +
+                               (kb / 64u) * (kmul * 64u) + kb % 64u);
     }
 };
 
@@ -63,7 +64,7 @@ __device__ __forceinline__ WRows wrows(const u64 (&chunks)[QMK_MAX_CHUNKS], u32 
     r.base = v.base;
     r.layer_off = (koff_t)(v.li * (koff_t)(T::kStride0 * 2u));
     r.row_bytes = (koff_t)(T::kStride1 * 2u);
-    r.kmul = TileOrder<T>::v ? 16u : 1u;
+    r.kmul = TileOrder<T>::rows ? TileOrder<T>::rows : 1u;
     return r;
 }
 
