@@ -116,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(QMK_THREADS, 1)
     const bool split_attn = (p.flags & kFlagAttnNoSplit) == 0u &&
                             ((p.flags & kFlagAttnForceSplit) != 0u || pos + 1u >= kAttnSplitMinContext);
     if (split_attn && blockIdx.x == 0) attention_zero_tickets(p);
-#if QMK_TC_MLP
+#if QMK_TC_PHASES
     if (blockIdx.x == 0) tc::zero_counters(p);
 #endif
     GridBarrierT<true> bar;

@@ -109,13 +109,16 @@ pub fn decode_stage_floats(h: u64, q: u64, i: u64) -> [u64; 4] {
 /// latency); 1.5B and 3B are not measured yet and keep CUDA cores.
 pub const TC_MIN_HIDDEN: usize = 3072;
 
-/// The MLP's weight phases on tensor cores ([`qmk_layout::TcPlan`], on
-/// [`qmk_layout::TC_MACHINE_SM90`]): down `[H, I]` with its weights in
-/// 16-row bands, gate/up `[2 I, H]` whose tiles take 8 rows of gate and the
-/// same 8 rows of up (each tensor in 8-row bands), so one lane holds both
-/// of a row and applies SiLU; and the scratch they share.
+/// The weight phases on tensor cores ([`qmk_layout::TcPlan`], on
+/// [`qmk_layout::TC_MACHINE_SM90`]): o_proj `[H, Q]` and down `[H, I]` with
+/// their weights in 16-row bands, gate/up `[2 I, H]` whose tiles take 8 rows
+/// of gate and the same 8 rows of up (each tensor in 8-row bands), so one
+/// lane holds both of a row and applies SiLU; and the scratch they share.
+/// q/k/v (7 % of a 7B layer's bytes) stays on CUDA cores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TcMlp {
+pub struct TcPhases {
+    /// The o_proj phase.
+    pub o_proj: qmk_layout::TcPlan,
     /// The down phase.
     pub down: qmk_layout::TcPlan,
     /// The gate/up phase.
@@ -124,7 +127,9 @@ pub struct TcMlp {
     pub scratch: qmk_layout::TcScratch,
 }
 
-impl TcMlp {
+impl TcPhases {
+    /// Rows of a band of o_proj's tile order.
+    pub const O_PROJ_BAND: u64 = 16;
     /// Rows of a band of down's tile order.
     pub const DOWN_BAND: u64 = 16;
     /// Rows of a band of gate's and up's tile order.
@@ -134,20 +139,22 @@ impl TcMlp {
 /// The tensor-core MLP of `config` where its hidden size is at least
 /// [`TC_MIN_HIDDEN`] and the plans take its shapes; None keeps the MLP on
 /// CUDA cores. Whether a build runs it also depends on what it asks for,
-/// the arch and the ranks ([`KernelBuild::tensor_core_mlp`]); the device
+/// the arch and the ranks ([`KernelBuild::tensor_core_phases`]); the device
 /// scratch is sized from this.
-pub fn tc_mlp_plan(config: &Config) -> Option<TcMlp> {
+pub fn tc_plans(config: &Config) -> Option<TcPhases> {
     if config.hidden_size < TC_MIN_HIDDEN {
         return None;
     }
     let (h, i) = (config.hidden_size as u64, config.intermediate_size as u64);
     let m = &qmk_layout::TC_MACHINE_SM90;
+    let o_proj = qmk_layout::TcPlan::new("o_proj", h, config.q_dim() as u64, m).ok()?;
     let down = qmk_layout::TcPlan::new("down_proj", h, i, m).ok()?;
     let gate_up = qmk_layout::TcPlan::new("gate_proj/up_proj", i.checked_mul(2)?, h, m).ok()?;
-    Some(TcMlp {
+    Some(TcPhases {
+        o_proj,
         down,
         gate_up,
-        scratch: qmk_layout::TcScratch::for_plans(&[&down, &gate_up]),
+        scratch: qmk_layout::TcScratch::for_plans(&[&o_proj, &down, &gate_up]),
     })
 }
 
@@ -206,7 +213,7 @@ impl KernelBuild {
         };
         // The tensor-core down phase's planes and partials (both steps run
         // it with one plan).
-        let base = match self.tensor_core_mlp(arch) {
+        let base = match self.tensor_core_phases(arch) {
             Some(t) => ring.max(t.down.machine.smem_bytes() / 4),
             None => ring,
         };
@@ -233,17 +240,20 @@ impl KernelBuild {
             format!("-DQMK_MT_SMEM_FLOATS={}", self.multi_smem_for(arch) / 4),
             format!("-DQMK_MT_MAX_TOKENS={}", self.multi_max_tokens(arch)),
         ];
-        match self.tensor_core_mlp(arch) {
-            None => o.push("-DQMK_TC_MLP=0".to_string()),
+        match self.tensor_core_phases(arch) {
+            None => o.push("-DQMK_TC_PHASES=0".to_string()),
             Some(t) => {
                 let m = t.down.machine;
                 o.extend([
-                    "-DQMK_TC_MLP=1".to_string(),
+                    "-DQMK_TC_PHASES=1".to_string(),
                     format!("-DQMK_TC_GRID={}", m.grid),
                     format!("-DQMK_TC_TMAX={}", m.tmax),
                     format!("-DQMK_TC_INPUT_BYTES={}", m.input_bytes),
                     format!("-DQMK_TC_PART_BYTES={}", m.part_bytes),
                     format!("-DQMK_TC_STAGED={}", u8::from(m.staged)),
+                    format!("-DQMK_TC_O_NKB={}", t.o_proj.nkb),
+                    format!("-DQMK_TC_O_SLOTS={}", t.o_proj.slots),
+                    format!("-DQMK_TC_O_MAXLT={}", t.o_proj.maxlt),
                     format!("-DQMK_TC_DOWN_NKB={}", t.down.nkb),
                     format!("-DQMK_TC_DOWN_SLOTS={}", t.down.slots),
                     format!("-DQMK_TC_DOWN_MAXLT={}", t.down.maxlt),
@@ -261,16 +271,16 @@ impl KernelBuild {
     }
 
     /// The MLP's tensor-core phases where the build for `arch` runs them
-    /// ([`tc_mlp_plan`]): asked for ([`KernelBuild::with_tensor_cores`]),
+    /// ([`tc_plans`]): asked for ([`KernelBuild::with_tensor_cores`]),
     /// one GPU (a tensor-parallel rank keeps CUDA cores), on sm_90, whose
     /// shared memory holds the planned machine. Then the weight upload
     /// stores `down_proj`, `gate_proj` and `up_proj` in tile order
     /// ([`qmk_layout::TileOrder`]) and the prefill reads them so.
-    pub fn tensor_core_mlp(&self, arch: crate::Arch) -> Option<TcMlp> {
+    pub fn tensor_core_phases(&self, arch: crate::Arch) -> Option<TcPhases> {
         if !self.tensor_cores || self.tp_ranks != 1 || !arch.has_wgmma() {
             return None;
         }
-        let t = tc_mlp_plan(&self.config)?;
+        let t = tc_plans(&self.config)?;
         // Beside the multi-token step's static shared memory.
         (t.down.machine.smem_bytes() + u64::from(MULTI_STATIC_SMEM)
             <= u64::from(arch.max_smem_per_cta()))
@@ -386,7 +396,7 @@ impl KernelBuild {
     /// The same build with the tensor-core weight phases asked for (`on`)
     /// or not: from [`TC_MIN_HIDDEN`] up, on sm_90, the MLP's down and
     /// gate/up run on tensor cores in both decode steps
-    /// ([`KernelBuild::tensor_core_mlp`]), the upload stores their
+    /// ([`KernelBuild::tensor_core_phases`]), the upload stores their
     /// weights in tile order and the prefill reads them so. Off by
     /// default: the phases are built and checked on the host, and wait for
     /// their GPU validation (docs/decisions, 0051). A tensor-parallel rank
@@ -594,7 +604,7 @@ impl KernelBuild {
         // entries out of rank builds.
         plan_header.push_str(&format!("#define QMK_TP_RANKS {ranks}\n"));
         // Whether the tensor-core phases were asked for (the arch decides
-        // whether they run: QMK_TC_MLP); here, so the fingerprint of a
+        // whether they run: QMK_TC_PHASES); here, so the fingerprint of a
         // build that stores weights in tile order differs.
         plan_header.push_str(&format!(
             "#define QMK_TENSOR_CORES {}\n",
@@ -730,7 +740,7 @@ mod tests {
                 "-DQMK_SMEM_FLOATS=18944",
                 "-DQMK_MT_SMEM_FLOATS=24320",
                 "-DQMK_MT_MAX_TOKENS=6",
-                "-DQMK_TC_MLP=0"
+                "-DQMK_TC_PHASES=0"
             ]
         );
         // The ring never pushes a preset past its arch's limit: it fits
@@ -762,36 +772,37 @@ mod tests {
         };
         for preset in ["0.5b", "1.5b", "3b"] {
             assert!(
-                tc_mlp_plan(&Config::preset(preset).unwrap()).is_none(),
+                tc_plans(&Config::preset(preset).unwrap()).is_none(),
                 "{preset}"
             );
             assert!(
-                build(preset).tensor_core_mlp(Arch::SM90).is_none(),
+                build(preset).tensor_core_phases(Arch::SM90).is_none(),
                 "{preset}"
             );
         }
         for preset in ["7b", "14b", "32b", "72b"] {
             let b = build(preset);
-            let t = b.tensor_core_mlp(Arch::SM90).expect(preset);
+            let t = b.tensor_core_phases(Arch::SM90).expect(preset);
             let (h, i) = (
                 b.config.hidden_size as u64,
                 b.config.intermediate_size as u64,
             );
             assert_eq!((t.down.rows, t.down.k), (h, i));
+            assert_eq!((t.o_proj.rows, t.o_proj.k), (h, b.config.q_dim() as u64));
             assert_eq!((t.gate_up.rows, t.gate_up.k), (2 * i, h));
             // Not before sm_90 (its shared memory does not hold the machine),
             // nor on a tensor-parallel rank.
-            assert!(b.tensor_core_mlp(Arch::SM80).is_none(), "{preset}");
-            assert!(b.tensor_core_mlp(Arch::SM89).is_none(), "{preset}");
+            assert!(b.tensor_core_phases(Arch::SM80).is_none(), "{preset}");
+            assert!(b.tensor_core_phases(Arch::SM89).is_none(), "{preset}");
             let rank = KernelBuild::for_rank(&b.config, 2).unwrap();
-            assert!(rank.tensor_core_mlp(Arch::SM90).is_none(), "{preset}");
+            assert!(rank.tensor_core_phases(Arch::SM90).is_none(), "{preset}");
             assert!(rank
                 .arch_options(Arch::SM90)
-                .contains(&"-DQMK_TC_MLP=0".to_string()));
+                .contains(&"-DQMK_TC_PHASES=0".to_string()));
             assert!(rank.with_tensor_cores(true).is_err(), "{preset}");
             // Asked for or not: another fingerprint, and off by default.
             let off = b.with_tensor_cores(false).unwrap();
-            assert!(off.tensor_core_mlp(Arch::SM90).is_none(), "{preset}");
+            assert!(off.tensor_core_phases(Arch::SM90).is_none(), "{preset}");
             assert_ne!(off.fingerprint, b.fingerprint, "{preset}");
             assert_eq!(
                 off.fingerprint,
@@ -801,11 +812,12 @@ mod tests {
             // memory they take.
             let o = b.arch_options(Arch::SM90);
             for want in [
-                "-DQMK_TC_MLP=1".to_string(),
+                "-DQMK_TC_PHASES=1".to_string(),
                 format!("-DQMK_TC_DOWN_NKB={}", t.down.nkb),
                 format!("-DQMK_TC_GU_SLOTS={}", t.gate_up.slots),
                 format!("-DQMK_TC_PART_OFF={}", t.scratch.part_offset),
                 format!("-DQMK_TC_SCRATCH_BYTES={}", t.scratch.bytes),
+                format!("-DQMK_TC_O_MAXLT={}", t.o_proj.maxlt),
             ] {
                 assert!(o.contains(&want), "{preset}: {want} not in {o:?}");
             }

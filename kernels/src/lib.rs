@@ -33,7 +33,7 @@ pub use compile::{
 pub use error::{KernelsError, Result};
 pub use header::{
     attn_ring, batch_vectors, decode_stage_floats, prefill_smem_bytes, prefill_smem_bytes_wgmma,
-    tc_mlp_plan, KernelBuild, TcMlp, ATTN_TILE, MULTI_STATIC_SMEM, MULTI_WIDE_FROM,
+    tc_plans, KernelBuild, TcPhases, ATTN_TILE, MULTI_STATIC_SMEM, MULTI_WIDE_FROM,
     PAIR_BATCH_MOST, PREFILL_GEMM_TILE, PREFILL_WGMMA_TILE, STAGE_VECTORS, STREAM_K_TILE_ELEMS,
     TC_MIN_HIDDEN, WARPS_PER_CTA,
 };

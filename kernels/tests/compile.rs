@@ -62,7 +62,7 @@ fn compile_report(c: &Compiler, preset: &str, arch: Arch, tensor_cores: bool) ->
         .with_tensor_cores(tensor_cores)
         .unwrap();
     assert_eq!(
-        build.tensor_core_mlp(arch).is_some(),
+        build.tensor_core_phases(arch).is_some(),
         tensor_cores,
         "{preset} {arch}"
     );

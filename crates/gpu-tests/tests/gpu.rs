@@ -90,7 +90,7 @@ fn matches_reference_with<D: Driver>(preset: &str, tensor_cores: bool) {
     let mut gpu: GpuBackend<D> = open(&w, opts);
     if tensor_cores {
         assert!(
-            gpu.kernel_build().tensor_core_mlp(gpu.arch()).is_some(),
+            gpu.kernel_build().tensor_core_phases(gpu.arch()).is_some(),
             "{test}: the tensor-core phases do not run on {}",
             describe(&gpu)
         );

@@ -73,7 +73,7 @@ fn multi_equals_single_with<D: Driver + 'static>(
         .unwrap_or_else(|e| panic!("{test}: {e}"));
     if tensor_cores {
         assert!(
-            gpu.kernel_build().tensor_core_mlp(gpu.arch()).is_some(),
+            gpu.kernel_build().tensor_core_phases(gpu.arch()).is_some(),
             "{test}: the tensor-core phases do not run on {}",
             describe(&gpu)
         );

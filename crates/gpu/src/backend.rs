@@ -7,7 +7,7 @@ use qmk_engine::{Backend, BackendKind, MultiStep, MultiStepOutput, RunningMean, 
 use qmk_kernels::params::{err, phase_name, FLAG_DEBUG_HANG, FLAG_DEBUG_OOB};
 use qmk_kernels::{
     source::entry, Arch, Compiler, Cubin, KernelBuild, KernelParams, MultiParams, PrefillParams,
-    Resources, TcMlp, ATTN_TILE, THREADS_PER_CTA,
+    Resources, TcPhases, ATTN_TILE, THREADS_PER_CTA,
 };
 use qmk_layout::TileOrder;
 use qmk_model::{Config, WeightKind, Weights};
@@ -523,11 +523,12 @@ impl<D: Driver> GpuBackend<D> {
         };
         let mut params = base_params(&config, capacity, opts.spin_timeout);
         let mut chunks = planned_chunks(&build)?;
-        if let Some(tc) = build.tensor_core_mlp(info.arch) {
-            // The tensor-core MLP phases load their weights in tile order:
-            // down in 16-row bands, gate and up in 8-row ones (a tile takes
-            // the same 8 rows of each).
+        if let Some(tc) = build.tensor_core_phases(info.arch) {
+            // The tensor-core phases load their weights in tile order:
+            // o_proj and down in 16-row bands, gate and up in 8-row ones (a
+            // tile takes the same 8 rows of each).
             let (h, i) = (config.hidden_size as u64, config.intermediate_size as u64);
+            let q = config.q_dim() as u64;
             let two_i = i
                 .checked_mul(2)
                 .ok_or_else(|| Error::Overflow("2 x intermediate_size".into()))?;
@@ -537,6 +538,7 @@ impl<D: Driver> GpuBackend<D> {
                 WeightKind::UpProj.name()
             );
             for (name, plan, want) in [
+                (WeightKind::OProj.name(), &tc.o_proj, (h, q)),
                 (WeightKind::DownProj.name(), &tc.down, (h, i)),
                 (gate_up_name.as_str(), &tc.gate_up, (two_i, h)),
             ] {
@@ -550,9 +552,11 @@ impl<D: Driver> GpuBackend<D> {
                     });
                 }
             }
-            let down = TileOrder::new(i, TcMlp::DOWN_BAND)?;
-            let gate_up = TileOrder::new(h, TcMlp::GATE_UP_BAND)?;
+            let o_proj = TileOrder::new(q, TcPhases::O_PROJ_BAND)?;
+            let down = TileOrder::new(i, TcPhases::DOWN_BAND)?;
+            let gate_up = TileOrder::new(h, TcPhases::GATE_UP_BAND)?;
             for (kind, rows, order) in [
+                (WeightKind::OProj, h, o_proj),
                 (WeightKind::DownProj, h, down),
                 (WeightKind::GateProj, i, gate_up),
                 (WeightKind::UpProj, i, gate_up),

@@ -402,11 +402,11 @@ pub fn trace_bytes(config: &Config, grid: u32) -> Result<u64> {
 }
 
 /// Bytes of [`Buffer::TcScratch`]: the scratch the tensor-core MLP phases
-/// of `config` share ([`qmk_kernels::tc_mlp_plan`]), or 16 bytes where
+/// of `config` share ([`qmk_kernels::tc_plans`]), or 16 bytes where
 /// there is none. Sized from the config alone, so a build whose arch keeps
 /// the MLP on CUDA cores still has a valid (unused) address to pass.
 pub fn tc_scratch_bytes(config: &Config) -> u64 {
-    qmk_kernels::tc_mlp_plan(config).map_or(16, |t| t.scratch.bytes)
+    qmk_kernels::tc_plans(config).map_or(16, |t| t.scratch.bytes)
 }
 
 /// Bytes of the split-attention scratch (`KernelParams::attn_part`):
@@ -769,7 +769,7 @@ mod tests {
     #[test]
     fn tc_scratch_is_the_mlp_plans_or_16_bytes() {
         let c7 = Config::preset("7b").unwrap();
-        let tc = qmk_kernels::tc_mlp_plan(&c7).expect("7B runs the MLP on tensor cores");
+        let tc = qmk_kernels::tc_plans(&c7).expect("7B runs the MLP on tensor cores");
         let want = tc.scratch.bytes;
         // Room for either phase's counters and sums.
         let alone = |p| qmk_layout::TcScratch::for_plans(&[p]).bytes;
@@ -780,7 +780,7 @@ mod tests {
         assert!(want > 16, "{want}");
         assert_eq!(tc_scratch_bytes(&c7), want);
         let c05 = Config::preset("0.5b").unwrap();
-        assert!(qmk_kernels::tc_mlp_plan(&c05).is_none());
+        assert!(qmk_kernels::tc_plans(&c05).is_none());
         assert_eq!(tc_scratch_bytes(&c05), 16);
         for (c, bytes) in [(&c7, want), (&c05, 16)] {
             let plan = MemoryPlan::new(c, 4096, 132, Some(512)).unwrap();

@@ -1038,8 +1038,8 @@ mod tests {
             qmk_layout::plan_model(&specs, &OffsetModel::new(17, OffsetUnit::Bytes)).unwrap();
         let build = KernelBuild::with_plan(&c, plan).unwrap();
         let (h, i) = (c.hidden_size as u64, c.intermediate_size as u64);
-        let down = TileOrder::new(i, qmk_kernels::TcMlp::DOWN_BAND).unwrap();
-        let gate_up = TileOrder::new(h, qmk_kernels::TcMlp::GATE_UP_BAND).unwrap();
+        let down = TileOrder::new(i, qmk_kernels::TcPhases::DOWN_BAND).unwrap();
+        let gate_up = TileOrder::new(h, qmk_kernels::TcPhases::GATE_UP_BAND).unwrap();
         for (tensor, rows, order) in [
             ("down_proj", h, down),
             ("gate_proj", i, gate_up),

@@ -345,7 +345,7 @@ mod tests {
     fn mlp_plans_of_every_size_match_the_kernel_arithmetic() {
         // (rows, k) -> (blocks, block k-steps, slots, local tiles), as the
         // kernel's constexpr plan computes them on the same machine: down
-        // [H, I], then gate/up [2 I, H].
+        // [H, I], gate/up [2 I, H], o_proj [H, Q].
         let cases = [
             ((3584, 18944), (4, 148, 4, 8)),  // 7B
             ((5120, 13824), (3, 144, 4, 9)),  // 14B
@@ -355,6 +355,10 @@ mod tests {
             ((27648, 5120), (1, 160, 3, 15)),
             ((55296, 5120), (1, 160, 2, 28)),
             ((59136, 8192), (2, 128, 2, 57)),
+            // o_proj [H, Q]: 7B, 14B and 32B, 72B.
+            ((3584, 3584), (1, 112, 12, 3)),
+            ((5120, 5120), (1, 160, 8, 4)),
+            ((8192, 8192), (2, 128, 4, 9)),
         ];
         for ((rows, k), (nkb, ks, slots, maxlt)) in cases {
             let p = plan(rows, k);

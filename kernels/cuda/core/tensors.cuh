@@ -52,24 +52,28 @@ QMK_TENSOR_TRAITS(up_proj)
 QMK_TENSOR_TRAITS(down_proj)
 
 // Rows of a band where a tensor's layers are stored in tile order
-// (qmk_layout::TileOrder), 0 in row-major order: the MLP's weights where
-// the decode step reads them on tensor cores (decode/tc_phase.cuh), down in
+// (qmk_layout::TileOrder), 0 in row-major order: the weights the decode
+// step reads on tensor cores (decode/tc_phase.cuh), o_proj and down in
 // 16-row bands, gate and up in 8-row ones; the weight upload permutes them.
 template <class T>
 struct TileOrder {
     static constexpr u32 rows = 0;
 };
 template <>
+struct TileOrder<o_proj_t> {
+    static constexpr u32 rows = QMK_TC_PHASES ? 16u : 0u;
+};
+template <>
 struct TileOrder<down_proj_t> {
-    static constexpr u32 rows = QMK_TC_MLP ? 16u : 0u;
+    static constexpr u32 rows = QMK_TC_PHASES ? 16u : 0u;
 };
 template <>
 struct TileOrder<gate_proj_t> {
-    static constexpr u32 rows = QMK_TC_MLP ? 8u : 0u;
+    static constexpr u32 rows = QMK_TC_PHASES ? 8u : 0u;
 };
 template <>
 struct TileOrder<up_proj_t> {
-    static constexpr u32 rows = QMK_TC_MLP ? 8u : 0u;
+    static constexpr u32 rows = QMK_TC_PHASES ? 8u : 0u;
 };
 
 // Chunk holding `layer` (compile-time chunk table, runtime layer).

@@ -3,7 +3,7 @@
 //                      (one warp computes both rows r: shared activation reads)
 //   down    (phase 5): x[r] += down[layer, r, :] . h (a tensor-parallel rank
 //                      writes its partial instead, as o_proj does)
-// Where the build asks for them (QMK_TC_MLP), both run on tensor cores
+// Where the build asks for them (QMK_TC_PHASES), both run on tensor cores
 // instead (decode/tc_phase.cuh), the multi-token step's arithmetic.
 #pragma once
 
@@ -12,7 +12,7 @@ namespace qmk {
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + expf(-g)); }
 
 __device__ __forceinline__ void mlp_gate_up(const Params& p, u32 layer, float* xs, float* red) {
-#if QMK_TC_MLP
+#if QMK_TC_PHASES
     float* hr = reinterpret_cast<float*>(p.mlp_h);  // [I] f32
     tc::gate_up<1>(p, layer, reinterpret_cast<const float*>(p.x), xs,
                    [hr](int r, int, float gate, float up) { hr[r] = silu(gate) * up; });
@@ -39,7 +39,7 @@ __device__ __forceinline__ void mlp_gate_up(const Params& p, u32 layer, float* x
 }
 
 __device__ __forceinline__ void mlp_down(const Params& p, u32 layer, float* xs) {
-#if QMK_TC_MLP
+#if QMK_TC_PHASES
     float* xr = reinterpret_cast<float*>(p.x);  // [H] f32
     tc::down<1>(p, layer, reinterpret_cast<const float*>(p.mlp_h), xs,
                 [xr](int r, int, float v) { xr[r] = __ldcg(xr + r) + v; });

@@ -533,6 +533,12 @@ struct MtTokens {
     u32 id[T];
 };
 
+// T row addresses.
+template <int T>
+struct MtRows {
+    const char* row[T];
+};
+
 // Residual element i of token t before this layer: its embedding row in
 // layer 0, else x[t].
 template <int T>
@@ -644,6 +650,20 @@ __device__ __forceinline__ void mt_residual_phase(const MultiParams& m, const La
 // o_proj + residual for T tokens: x[t, r] = residual[t, r] + o_proj[r] . attn[t].
 template <int T>
 __device__ __forceinline__ void mt_o_proj(const MultiParams& m, const MtTokens<T>& tk, u32 layer, float* xs) {
+#if QMK_TC_PHASES
+    // The one-token step's tensor-core phase at T tokens: the same bits.
+    // The epilogue holds the residuals' addresses (layer 0: each token's
+    // embedding row), not the parameter block.
+    float* xr = reinterpret_cast<float*>(m.x);  // [T, H] f32
+    MtRows<T> emb;                              // [T] rows [H] bf16
+#pragma unroll
+    for (int t = 0; t < T; ++t) emb.row[t] = layer == 0 ? table_row(m.base.embed_tokens[0], tk.id[t]) : nullptr;
+    tc::o_proj<T>(m.base, layer, reinterpret_cast<const float*>(m.attn), xs, [xr, emb](int r, int t, float v) {
+        float* x = xr + t * QMK_HIDDEN + r;
+        *x = (emb.row[t] ? ld_bf16(emb.row[t] + (size_t)r * 2) : __ldcg(x)) + v;
+    });
+    return;
+#endif
     mt_residual_phase<T, (int)QMK_Q_DIM>(m, LayerView<o_proj_t>(m.base.o_proj, layer),
                                          reinterpret_cast<const float*>(m.attn),
                                          [&](int t, u32 r) { return mt_residual(m, tk, layer, t, r); }, xs);
@@ -653,7 +673,7 @@ __device__ __forceinline__ void mt_o_proj(const MultiParams& m, const MtTokens<T
 // silu(gate[r] . n[t]) * (up[r] . n[t]), one warp per row r of both.
 template <int T>
 __device__ __forceinline__ void mt_gate_up(const MultiParams& m, u32 layer, float* xs, float* red) {
-#if QMK_TC_MLP
+#if QMK_TC_PHASES
     // The one-token step's tensor-core phase at T tokens: the same bits.
     float* hr = reinterpret_cast<float*>(m.mlp_h);  // [T, I] f32
     tc::gate_up<T>(m.base, layer, reinterpret_cast<const float*>(m.x), xs,
@@ -691,7 +711,7 @@ __device__ __forceinline__ void mt_gate_up(const MultiParams& m, u32 layer, floa
 // down + residual for T tokens: x[t, r] += down[r] . h[t].
 template <int T>
 __device__ __forceinline__ void mt_down(const MultiParams& m, u32 layer, float* xs) {
-#if QMK_TC_MLP
+#if QMK_TC_PHASES
     // The one-token step's tensor-core phase at T tokens: the same bits.
     float* xr = reinterpret_cast<float*>(m.x);  // [T, H] f32
     tc::down<T>(m.base, layer, reinterpret_cast<const float*>(m.mlp_h), xs, [xr](int r, int t, float v) {
@@ -842,7 +862,7 @@ __device__ __forceinline__ void decode_multi(const MultiParams& m) {
             for (u32 i = threadIdx.x; i < kAttnTicketWords; i += QMK_THREADS) part[t * m.part_words + i] = 0u;
         __threadfence();
     }
-#if QMK_TC_MLP
+#if QMK_TC_PHASES
     if (blockIdx.x == 0) tc::zero_counters(p);
 #endif
     GridBarrierT<true> bar;  // traced with kFlagTrace, as the one-token step

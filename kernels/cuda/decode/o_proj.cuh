@@ -8,6 +8,17 @@
 namespace qmk {
 
 __device__ __forceinline__ void o_proj(const Params& p, u32 layer, u32 token, float* xs) {
+#if QMK_TC_PHASES
+    // On tensor cores (decode/tc_phase.cuh): the multi-token step's bits.
+    // The epilogue goes to a function of its own: it holds the residual's
+    // addresses, not the parameter block.
+    float* xr = reinterpret_cast<float*>(p.x);                       // [H] f32
+    const char* emb = layer == 0 ? table_row(p.embed_tokens[0], token) : nullptr;  // [H] bf16
+    tc::o_proj<1>(p, layer, reinterpret_cast<const float*>(p.attn), xs, [xr, emb](int r, int, float v) {
+        xr[r] = (emb ? ld_bf16(emb + (size_t)r * 2) : __ldcg(xr + r)) + v;
+    });
+    return;
+#endif
     const LayerView<o_proj_t> w(p.o_proj, layer);
     const auto rows_of = [&](u32 r, const char* (&rows)[1]) { rows[0] = w.row(r); };
     constexpr bool kStage = copied_stages<(int)QMK_Q_DIM>();

@@ -1,6 +1,6 @@
 // decode/tc_phase.cuh: a weight phase on tensor cores, shared by the
-// one-token and the multi-token step (the MLP's gate/up and down from 7B up,
-// where the build asks for it: QMK_TC_MLP):
+// one-token and the multi-token step (o_proj, the MLP's gate/up and down
+// from 7B up, where the build asks for them: QMK_TC_PHASES):
 //
 //   y[t][r] = W[r, :] . (hi[t][:] + lo[t][:])   for r < ROWS, t < T
 //
@@ -34,8 +34,8 @@
 // bit-identical at every T, on every grid.
 #pragma once
 
-#if !defined(QMK_TC_MLP)
-#error "QMK_TC_MLP comes from KernelBuild::arch_options"
+#if !defined(QMK_TC_PHASES)
+#error "QMK_TC_PHASES comes from KernelBuild::arch_options"
 #endif
 
 namespace qmk {
@@ -479,11 +479,11 @@ __device__ __noinline__ void phase(const u16* __restrict__ w, long long hoff, co
     local_sums();
 }
 
-#if QMK_TC_MLP && !QMK_TENSOR_CORES
+#if QMK_TC_PHASES && !QMK_TENSOR_CORES
 #error "the tensor-core phases run only where the build asks for them"
 #endif
 
-#if QMK_TC_MLP
+#if QMK_TC_PHASES
 // The nominal machine the plans are rendered for (qmk_layout::TcMachine).
 struct Machine {
     static constexpr int grid = QMK_TC_GRID, warps = QMK_WARPS, tmax = QMK_TC_TMAX;
@@ -493,10 +493,14 @@ struct Machine {
 static_assert(QMK_TP_RANKS == 1, "a tensor-parallel rank keeps CUDA cores");
 static_assert(Machine::input_bytes + Machine::part_bytes <= QMK_SMEM_FLOATS * 4,
               "the one-token step's shared memory holds the tensor-core phases");
-// down [H, I] in 16-row bands; gate/up [2 I, H]: tile rt is rows 8 rt ..
-// 8 rt + 7 of gate, then the same rows of up.
+// o_proj [H, Q] and down [H, I] in 16-row bands; gate/up [2 I, H]: tile rt
+// is rows 8 rt .. 8 rt + 7 of gate, then the same rows of up.
+using OProjPlan = Plan<(int)QMK_Q_DIM, (int)QMK_HIDDEN, Machine>;
 using DownPlan = Plan<(int)QMK_INTER, (int)QMK_HIDDEN, Machine>;
 using GateUpPlan = Plan<(int)QMK_HIDDEN, 2 * (int)QMK_INTER, Machine>;
+static_assert(OProjPlan::NKB == QMK_TC_O_NKB && OProjPlan::SLOTS == QMK_TC_O_SLOTS &&
+                  OProjPlan::MAXLT == QMK_TC_O_MAXLT,
+              "the kernel's o_proj plan differs from qmk_layout::TcPlan");
 static_assert(DownPlan::NKB == QMK_TC_DOWN_NKB && DownPlan::SLOTS == QMK_TC_DOWN_SLOTS &&
                   DownPlan::MAXLT == QMK_TC_DOWN_MAXLT,
               "the kernel's down plan differs from qmk_layout::TcPlan");
@@ -510,7 +514,8 @@ constexpr bool fits_scratch() {
            (long long)PL::TILES * PL::SLOTS * 512 <= (long long)QMK_TC_BPART_OFF - QMK_TC_PART_OFF &&
            (long long)PL::RTILES * PL::NKB * 512 <= (long long)QMK_TC_SCRATCH_BYTES - QMK_TC_BPART_OFF;
 }
-static_assert(fits_scratch<DownPlan>() && fits_scratch<GateUpPlan>() && QMK_TC_PART_OFF % 16 == 0,
+static_assert(fits_scratch<OProjPlan>() && fits_scratch<DownPlan>() && fits_scratch<GateUpPlan>() &&
+                  QMK_TC_PART_OFF % 16 == 0,
               "the scratch layout differs from qmk_layout::TcScratch");
 
 __device__ __forceinline__ Scratch scratch(const Params& p) {
@@ -535,6 +540,22 @@ __device__ __forceinline__ void each_cta(Run run) {
         if (cta != blockIdx.x) __syncthreads();  // the previous nominal CTA's shared memory is read
         run((int)cta);
     }
+}
+
+// o_proj for T tokens: epi(r, t, v) gets o_proj[r] . a[t] (a [T, Q] f32).
+template <int T, class Epi>
+__device__ __forceinline__ void o_proj(const Params& p, u32 layer, const float* a, float* xs, Epi epi) {
+    const LayerView<o_proj_t> wv(p.o_proj, layer);
+    const u16* w = reinterpret_cast<const u16*>(wv.row(0));  // [H, Q] bf16, 16-row bands
+    const Scratch sc = scratch(p);
+    const F32Planes in{a, (int)QMK_Q_DIM};
+    each_cta([&](int cta) {
+        phase<(int)QMK_Q_DIM, (int)QMK_HIDDEN, T, 16, Machine>(
+            w, 256, in, reinterpret_cast<u16*>(xs), sc, cta, [epi](int rt, int g, int t, float top, float bottom) {
+                epi(rt * 16 + g, t, top);
+                epi(rt * 16 + g + 8, t, bottom);
+            });
+    });
 }
 
 // down for T tokens: epi(r, t, v) gets down[r] . h[t] (h [T, I] f32).
