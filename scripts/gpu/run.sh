@@ -60,6 +60,14 @@
 #               adds --profile: the step timeline of each T too (a line per
 #               run and T: total, each op's critical path, barriers; the
 #               one-token profile variants run as well)
+#   tensor-cores the tensor-core weight phases (Options::tensor_cores, off
+#               by default until this passes on a GPU): their GPU tests (7B
+#               logits against the CPU reference, one-token steps and the
+#               prefill; multi-token steps bit-identical to one-token steps at
+#               7B and 32B), then `multicost` rows at 7B, 14B and 32B with and
+#               without --tensor-cores, each T's time over the CUDA-core
+#               one-token step (TC_ROWS="name=bench args;..." replaces the
+#               presets)
 #   tp          tensor parallelism: the tensor_parallel test program (ranks
 #               co-resident on GPU 0, or one per GPU with QMK_TP_DEVICES set
 #               to the GPU count when there are 2 or more; the real 0.5B
@@ -362,6 +370,33 @@ for o in objs:
         t = r["timeline"]
         ops = " ".join(f'{k.replace(" ", "_")}={t["ops"][k]["critical_us"]:.1f}' for k in OPS if k in t["ops"])
         print(f'{o["run"]} {o["context"]} T={r["tokens"]} total_us={t["total_us"]:.1f} critical_us {ops} barrier_us={t["barrier_us"]:.1f}')
+EOF
+      ;;
+    tensor-cores)
+      run_tests test-gpu 550 tensor_cores
+      mv "$LOG/test-gpu.log" "$LOG/test-gpu-tensor-cores.log"
+      run_tests test-multi_token 550 tensor_cores
+      mv "$LOG/test-multi_token.log" "$LOG/test-multi_token-tensor-cores.log"
+      IFS=';' read -ra rows <<< "${TC_ROWS:-7b=--preset 7b;14b=--preset 14b;32b=--preset 32b}"
+      for row in "${rows[@]}"; do
+        # shellcheck disable=SC2086
+        bench "multi-${row%%=*}" qwen-mk ${row#*=} --multi-tokens --steps 32
+        # shellcheck disable=SC2086
+        bench "multi-${row%%=*}-tc" qwen-mk ${row#*=} --multi-tokens --steps 32 --tensor-cores
+      done
+      python3 - "$LOG/bench.jsonl" <<'EOF' | tee "$OUT/tensor-cores.txt"
+import json, sys
+objs = {}
+for line in open(sys.argv[1]):
+    o = json.loads(line)
+    if o["run"].startswith("multi-") and "multi_tokens" in o:
+        objs[o["run"]] = o
+for name, o in objs.items():
+    if name.endswith("-tc") or name + "-tc" not in objs: continue
+    base = o["multi_tokens"][0]["us"]
+    tc = objs[name + "-tc"]["multi_tokens"]
+    print(name, "CUDA cores T=1", f"{base:.1f}us;", "tensor cores",
+          " ".join(f'T{r["tokens"]}={r["us"]:.1f}us/{r["us"] / base:.3f}' for r in tc))
 EOF
       ;;
     tp-allreduce)
