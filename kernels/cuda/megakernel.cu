@@ -28,7 +28,7 @@
 #include "core/barrier.cuh"      // the grid barrier (bounded waits) and record_error
 // Decode ops (qmk_decode_step; lm_head and argmax also end the prefill):
 #include "decode/matvec.cuh"     // warp dot products of weight rows, the row-to-warp map
-#include "decode/tc_phase.cuh"   // weight phases on tensor cores (the MLP from 7B up)
+#include "decode/tc_phase.cuh"   // weight phases on tensor cores (opt-in, 7B and up)
 #include "decode/embed.cuh"      // embedding row / residual read of layer 0
 #include "decode/tp.cuh"         // tensor-parallel ranks: the all-reduces and the argmax fold
 #include "decode/rms_norm.cuh"   // per-CTA RMSNorm into shared memory

@@ -111,12 +111,15 @@ pub const TC_MIN_HIDDEN: usize = 3072;
 
 /// The weight phases on tensor cores ([`qmk_layout::TcPlan`], on
 /// [`qmk_layout::TC_MACHINE_SM90`]): o_proj `[H, Q]` and down `[H, I]` with
-/// their weights in 16-row bands, gate/up `[2 I, H]` whose tiles take 8 rows
+/// their weights in 16-row bands; gate/up `[2 I, H]` whose tiles take 8 rows
 /// of gate and the same 8 rows of up (each tensor in 8-row bands), so one
-/// lane holds both of a row and applies SiLU; and the scratch they share.
-/// q/k/v (7 % of a 7B layer's bytes) stays on CUDA cores.
+/// lane holds both of a row and applies SiLU; q/k/v `[Q + 2 KV, H]` whose
+/// tiles take 8 rows i of a head and their rotary partners i + D / 2 (8-row
+/// bands again), so one lane rotates each pair; and the scratch they share.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TcPhases {
+    /// The q/k/v phase.
+    pub qkv: qmk_layout::TcPlan,
     /// The o_proj phase.
     pub o_proj: qmk_layout::TcPlan,
     /// The down phase.
@@ -128,6 +131,8 @@ pub struct TcPhases {
 }
 
 impl TcPhases {
+    /// Rows of a band of q's, k's and v's tile order.
+    pub const QKV_BAND: u64 = 8;
     /// Rows of a band of o_proj's tile order.
     pub const O_PROJ_BAND: u64 = 16;
     /// Rows of a band of down's tile order.
@@ -147,14 +152,21 @@ pub fn tc_plans(config: &Config) -> Option<TcPhases> {
     }
     let (h, i) = (config.hidden_size as u64, config.intermediate_size as u64);
     let m = &qmk_layout::TC_MACHINE_SM90;
-    let o_proj = qmk_layout::TcPlan::new("o_proj", h, config.q_dim() as u64, m).ok()?;
+    let (q, kv) = (config.q_dim() as u64, config.kv_dim() as u64);
+    // A tile pairs rotary indices i and i + D / 2 in bands of 8 rows.
+    if config.head_dim() % 16 != 0 {
+        return None;
+    }
+    let qkv = qmk_layout::TcPlan::new("q_proj/k_proj/v_proj", q + 2 * kv, h, m).ok()?;
+    let o_proj = qmk_layout::TcPlan::new("o_proj", h, q, m).ok()?;
     let down = qmk_layout::TcPlan::new("down_proj", h, i, m).ok()?;
     let gate_up = qmk_layout::TcPlan::new("gate_proj/up_proj", i.checked_mul(2)?, h, m).ok()?;
     Some(TcPhases {
+        qkv,
         o_proj,
         down,
         gate_up,
-        scratch: qmk_layout::TcScratch::for_plans(&[&o_proj, &down, &gate_up]),
+        scratch: qmk_layout::TcScratch::for_plans(&[&qkv, &o_proj, &down, &gate_up]),
     })
 }
 
@@ -251,6 +263,9 @@ impl KernelBuild {
                     format!("-DQMK_TC_INPUT_BYTES={}", m.input_bytes),
                     format!("-DQMK_TC_PART_BYTES={}", m.part_bytes),
                     format!("-DQMK_TC_STAGED={}", u8::from(m.staged)),
+                    format!("-DQMK_TC_QKV_NKB={}", t.qkv.nkb),
+                    format!("-DQMK_TC_QKV_SLOTS={}", t.qkv.slots),
+                    format!("-DQMK_TC_QKV_MAXLT={}", t.qkv.maxlt),
                     format!("-DQMK_TC_O_NKB={}", t.o_proj.nkb),
                     format!("-DQMK_TC_O_SLOTS={}", t.o_proj.slots),
                     format!("-DQMK_TC_O_MAXLT={}", t.o_proj.maxlt),
@@ -789,6 +804,8 @@ mod tests {
             );
             assert_eq!((t.down.rows, t.down.k), (h, i));
             assert_eq!((t.o_proj.rows, t.o_proj.k), (h, b.config.q_dim() as u64));
+            let qkv_rows = (b.config.q_dim() + 2 * b.config.kv_dim()) as u64;
+            assert_eq!((t.qkv.rows, t.qkv.k), (qkv_rows, h));
             assert_eq!((t.gate_up.rows, t.gate_up.k), (2 * i, h));
             // Not before sm_90 (its shared memory does not hold the machine),
             // nor on a tensor-parallel rank.
@@ -818,6 +835,7 @@ mod tests {
                 format!("-DQMK_TC_PART_OFF={}", t.scratch.part_offset),
                 format!("-DQMK_TC_SCRATCH_BYTES={}", t.scratch.bytes),
                 format!("-DQMK_TC_O_MAXLT={}", t.o_proj.maxlt),
+                format!("-DQMK_TC_QKV_SLOTS={}", t.qkv.slots),
             ] {
                 assert!(o.contains(&want), "{preset}: {want} not in {o:?}");
             }

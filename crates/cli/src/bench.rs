@@ -85,7 +85,7 @@ pub struct BenchArgs {
     /// Cap CTAs per SM (default: the occupancy API's answer).
     #[arg(long, allow_negative_numbers = true, value_parser = whole::<u32>(1..=64))]
     ctas_per_sm: Option<u32>,
-    /// Run the MLP's down and gate/up on tensor cores (7B and up, sm_90;
+    /// Run the weight phases on tensor cores (7B and up, sm_90;
     /// other models and GPUs are unchanged): the multi-token step then
     /// costs about a one-token step. Not yet validated on a GPU, so off
     /// by default; it changes the logits' bits.

@@ -525,10 +525,16 @@ impl<D: Driver> GpuBackend<D> {
         let mut chunks = planned_chunks(&build)?;
         if let Some(tc) = build.tensor_core_phases(info.arch) {
             // The tensor-core phases load their weights in tile order:
-            // o_proj and down in 16-row bands, gate and up in 8-row ones (a
-            // tile takes the same 8 rows of each).
+            // o_proj and down in 16-row bands; q, k, v, gate and up in 8-row
+            // ones (a q/k/v tile takes two bands of a head, a gate/up tile the
+            // same band of each).
             let (h, i) = (config.hidden_size as u64, config.intermediate_size as u64);
             let q = config.q_dim() as u64;
+            let kv = config.kv_dim() as u64;
+            let qkv_rows = kv
+                .checked_mul(2)
+                .and_then(|v| v.checked_add(q))
+                .ok_or_else(|| Error::Overflow("q_dim + 2 x kv_dim".into()))?;
             let two_i = i
                 .checked_mul(2)
                 .ok_or_else(|| Error::Overflow("2 x intermediate_size".into()))?;
@@ -537,7 +543,14 @@ impl<D: Driver> GpuBackend<D> {
                 WeightKind::GateProj.name(),
                 WeightKind::UpProj.name()
             );
+            let qkv_name = format!(
+                "{}/{}/{}",
+                WeightKind::QProj.name(),
+                WeightKind::KProj.name(),
+                WeightKind::VProj.name()
+            );
             for (name, plan, want) in [
+                (qkv_name.as_str(), &tc.qkv, (qkv_rows, h)),
                 (WeightKind::OProj.name(), &tc.o_proj, (h, q)),
                 (WeightKind::DownProj.name(), &tc.down, (h, i)),
                 (gate_up_name.as_str(), &tc.gate_up, (two_i, h)),
@@ -552,10 +565,14 @@ impl<D: Driver> GpuBackend<D> {
                     });
                 }
             }
+            let qkv = TileOrder::new(h, TcPhases::QKV_BAND)?;
             let o_proj = TileOrder::new(q, TcPhases::O_PROJ_BAND)?;
             let down = TileOrder::new(i, TcPhases::DOWN_BAND)?;
             let gate_up = TileOrder::new(h, TcPhases::GATE_UP_BAND)?;
             for (kind, rows, order) in [
+                (WeightKind::QProj, q, qkv),
+                (WeightKind::KProj, kv, qkv),
+                (WeightKind::VProj, kv, qkv),
                 (WeightKind::OProj, h, o_proj),
                 (WeightKind::DownProj, h, down),
                 (WeightKind::GateProj, i, gate_up),

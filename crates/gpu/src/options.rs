@@ -46,7 +46,7 @@ pub struct Options {
     pub fit_capacity: bool,
     /// The pinned staging ring of the weight upload.
     pub upload: crate::upload::UploadOptions,
-    /// Run the MLP's weight phases on tensor cores from 7B up on sm_90
+    /// Run the decode steps' weight phases on tensor cores from 7B up on sm_90
     /// ([`qmk_kernels::KernelBuild::with_tensor_cores`]): a multi-token
     /// step then costs about what a one-token step costs. Off by default:
     /// built and checked on the host, not yet validated on a GPU. Refused

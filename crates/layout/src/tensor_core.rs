@@ -345,7 +345,7 @@ mod tests {
     fn mlp_plans_of_every_size_match_the_kernel_arithmetic() {
         // (rows, k) -> (blocks, block k-steps, slots, local tiles), as the
         // kernel's constexpr plan computes them on the same machine: down
-        // [H, I], gate/up [2 I, H], o_proj [H, Q].
+        // [H, I], gate/up [2 I, H], o_proj [H, Q], q/k/v [Q + 2 KV, H].
         let cases = [
             ((3584, 18944), (4, 148, 4, 8)),  // 7B
             ((5120, 13824), (3, 144, 4, 9)),  // 14B
@@ -359,6 +359,10 @@ mod tests {
             ((3584, 3584), (1, 112, 12, 3)),
             ((5120, 5120), (1, 160, 8, 4)),
             ((8192, 8192), (2, 128, 4, 9)),
+            // q/k/v [Q + 2 KV, H]: 7B, 14B and 32B, 72B.
+            ((4608, 3584), (1, 112, 9, 4)),
+            ((7168, 5120), (1, 160, 6, 5)),
+            ((10240, 8192), (2, 128, 3, 11)),
         ];
         for ((rows, k), (nkb, ks, slots, maxlt)) in cases {
             let p = plan(rows, k);

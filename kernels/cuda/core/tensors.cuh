@@ -54,10 +54,23 @@ QMK_TENSOR_TRAITS(down_proj)
 // Rows of a band where a tensor's layers are stored in tile order
 // (qmk_layout::TileOrder), 0 in row-major order: the weights the decode
 // step reads on tensor cores (decode/tc_phase.cuh), o_proj and down in
-// 16-row bands, gate and up in 8-row ones; the weight upload permutes them.
+// 16-row bands, q, k, v, gate and up in 8-row ones; the weight upload
+// permutes them.
 template <class T>
 struct TileOrder {
     static constexpr u32 rows = 0;
+};
+template <>
+struct TileOrder<q_proj_t> {
+    static constexpr u32 rows = QMK_TC_PHASES ? 8u : 0u;
+};
+template <>
+struct TileOrder<k_proj_t> {
+    static constexpr u32 rows = QMK_TC_PHASES ? 8u : 0u;
+};
+template <>
+struct TileOrder<v_proj_t> {
+    static constexpr u32 rows = QMK_TC_PHASES ? 8u : 0u;
 };
 template <>
 struct TileOrder<o_proj_t> {

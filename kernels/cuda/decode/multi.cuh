@@ -552,6 +552,14 @@ __device__ __forceinline__ float mt_residual(const MultiParams& m, const MtToken
 template <int T>
 __device__ __forceinline__ void mt_qkv(const MultiParams& m, const MtTokens<T>& tk, u32 layer, float* xs,
                                        float* red) {
+#if QMK_TC_PHASES
+    // The one-token step's tensor-core phase at T tokens: the same bits.
+    const char* emb[T];  // [T] rows [H] bf16 (layer 0)
+#pragma unroll
+    for (int t = 0; t < T; ++t) emb[t] = layer == 0 ? table_row(m.base.embed_tokens[0], tk.id[t]) : nullptr;
+    tc::qkv<T>(m.base, layer, reinterpret_cast<const float*>(m.x), emb, m.start, reinterpret_cast<float*>(m.q), xs);
+    return;
+#endif
     const Params& p = m.base;
     constexpr u32 D = QMK_HEAD_DIM, HALF = D / 2;
     constexpr u32 QP = QMK_Q_DIM / 2, KP = QMK_KV_DIM / 2;

@@ -12,6 +12,12 @@ namespace qmk {
 
 __device__ __forceinline__ void qkv_proj(const Params& p, u32 layer, u32 token, u32 pos,
                                          float* xs, float* red) {
+#if QMK_TC_PHASES
+    // On tensor cores (decode/tc_phase.cuh): the multi-token step's bits.
+    const char* const emb[1] = {layer == 0 ? table_row(p.embed_tokens[0], token) : nullptr};  // [H] bf16
+    tc::qkv<1>(p, layer, reinterpret_cast<const float*>(p.x), emb, pos, reinterpret_cast<float*>(p.q), xs);
+    return;
+#endif
     constexpr u32 D = QMK_HEAD_DIM, HALF = D / 2;
     constexpr u32 QP = QMK_Q_DIM / 2, KP = QMK_KV_DIM / 2;
     const LayerView<input_layernorm_t> ln(p.input_layernorm, layer);

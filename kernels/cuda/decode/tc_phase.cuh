@@ -1,6 +1,6 @@
 // decode/tc_phase.cuh: a weight phase on tensor cores, shared by the
-// one-token and the multi-token step (o_proj, the MLP's gate/up and down
-// from 7B up, where the build asks for them: QMK_TC_PHASES):
+// one-token and the multi-token step (every weight phase of a layer from 7B
+// up, where the build asks for them: QMK_TC_PHASES):
 //
 //   y[t][r] = W[r, :] . (hi[t][:] + lo[t][:])   for r < ROWS, t < T
 //
@@ -8,7 +8,8 @@
 //   BAND rows, 32-column k-steps, then the BAND x 32 block row by row. A
 //   tile is 16 rows: with BAND 16 one band; with BAND 8 a band of one tensor
 //   (gate) and the same band of another (up), so one lane holds both rows
-//   of its epilogue. Lane (g, q) loads 16 bytes of the tile's rows g and
+//   of its epilogue (q/k/v: bands i and i + D / 2 of a head, the rotary
+//   pairs). Lane (g, q) loads 16 bytes of the tile's rows g and
 //   g + 8 at column 8 q of a k-step: its A fragments of two m16n8k16 MMAs,
 //   whose k order both operands share. Each load instruction of a warp reads
 //   512 (BAND 16) or twice 256 contiguous bytes.
@@ -155,15 +156,36 @@ struct F32Planes {
 };
 
 // The RMSNorm of T residual streams [T][H] f32 (written by the previous
-// phase) times the norm weight [H] bf16, split into the planes as the CTA
-// fills its block. Each token's sum of squares takes rms_norm's order (a
-// thread's elements ascending, then the warp and CTA trees) whatever T is.
-// red: [tmax][QMK_WARPS] f32 in shared memory.
+// phase; token t's embedding row [H] bf16 instead where emb[t] is set: layer
+// 0) times the norm weight [H] bf16, split into the planes as the CTA fills
+// its block. Each token's sum of squares takes rms_norm's order (a thread's
+// elements ascending, then the warp and CTA trees) whatever T is. red:
+// [tmax][QMK_WARPS] f32 in shared memory.
 struct NormPlanes {
     const float* x;
     const char* w;
     float eps;
     float* red;
+    const char* emb[8];
+    __device__ __forceinline__ float at(int t, int i) const {
+        return emb[t] ? ld_bf16(emb[t] + (size_t)i * 2) : __ldcg(x + (size_t)t * QMK_HIDDEN + i);
+    }
+    // Elements [col, col + 8) of token t.
+    __device__ __forceinline__ void at8(int t, int col, float (&f)[8]) const {
+        if (emb[t]) {
+            const uint4 e = *reinterpret_cast<const uint4*>(emb[t] + (size_t)col * 2);
+            const u32 ew[4] = {e.x, e.y, e.z, e.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                f[2 * j] = bf16_lo(ew[j]);
+                f[2 * j + 1] = bf16_hi(ew[j]);
+            }
+        } else {
+            const float4* src = reinterpret_cast<const float4*>(x + (size_t)t * QMK_HIDDEN + col);
+            const float4 a = __ldcg(src), b = __ldcg(src + 1);
+            f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+        }
+    }
     template <int T, int P>
     __device__ __forceinline__ void fill(u16* xs, int b0, int kb) const {
         constexpr int PER = ((int)QMK_HIDDEN + QMK_THREADS - 1) / QMK_THREADS;
@@ -175,7 +197,7 @@ struct NormPlanes {
             for (int j = 0; j < PER; ++j) {
                 const int i = tid + j * QMK_THREADS;
                 if (i < (int)QMK_HIDDEN) {
-                    const float v = __ldcg(x + (size_t)t * QMK_HIDDEN + i);
+                    const float v = at(t, i);
                     ss = fmaf(v, v, ss);
                 }
             }
@@ -193,15 +215,14 @@ struct NormPlanes {
         const int nv = kb / 8, n = T * nv;  // 8-element groups
         for (int i = tid; i < n; i += QMK_THREADS) {
             const int t = i / nv, v = i - t * nv, col = b0 + 8 * v;
-            const float4* src = reinterpret_cast<const float4*>(x + (size_t)t * QMK_HIDDEN + col);
-            const float4 a = __ldcg(src), b = __ldcg(src + 1);
+            float f[8];
+            at8(t, col, f);
             const uint4 wv = *reinterpret_cast<const uint4*>(w + (size_t)col * 2);
             float r = inv[0];
 #pragma unroll
             for (int u = 1; u < T; ++u)
                 if (u == t) r = inv[u];
             const u32 ww[4] = {wv.x, wv.y, wv.z, wv.w};
-            const float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
             u32 hi[4], lo[4];
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -215,18 +236,18 @@ struct NormPlanes {
     }
 };
 
-// One phase for T tokens, nominal CTA `cta`. w: the layer's weights in tile
+// One phase for T tokens, nominal CTA `cta`. tile(rt): row tile rt's first
+// element (its top band, block 0, k-step 0) in the layer's weights in tile
 // order, bands of BAND rows; hoff: elements from a tile's row g to its row
-// g + 8 (256 in 16-row bands; with 8-row bands, from the first tensor to the
-// second); in: the inputs (fill<T, P>); xs: the CTA's dynamic shared memory
+// g + 8 (256 in 16-row bands; with 8-row bands, to the bottom band); in: the inputs (fill<T, P>); xs: the CTA's dynamic shared memory
 // (input_bytes of planes, then part_bytes of local partials); epi(rt, g, t,
 // top, bottom): the sums of tile rt's rows g and g + 8 for token t, called
 // once for each rt, g < 8, t < T. The caller separates two nominal CTAs of
 // one CTA with a block barrier. Not inlined: its registers are its own, as
 // in the lab that measured it.
-template <int K, int ROWS, int T, int BAND, class M, class In, class Epi>
-__device__ __noinline__ void phase(const u16* __restrict__ w, long long hoff, const In& in, u16* xs, const Scratch& sc,
-                                   int cta, Epi epi) {
+template <int K, int ROWS, int T, int BAND, class M, class Tile, class In, class Epi>
+__device__ __noinline__ void phase(Tile tile_at, long long hoff, const In& in, u16* xs, const Scratch& sc, int cta,
+                                   Epi epi) {
     using PL = Plan<K, ROWS, M>;
     constexpr int NWT = PL::NWT, KS = PL::KS, RTILES = PL::RTILES, W = PL::W, SLOTS = PL::SLOTS;
     constexpr int WARPS = M::warps;
@@ -411,7 +432,7 @@ __device__ __noinline__ void phase(const u16* __restrict__ w, long long hoff, co
     };
     // Lane (g, q)'s first element of the tile's block at k-step 0.
     auto rows_at = [&](int tile) {
-        return w + (size_t)(tile % RTILES) * BAND * K + (size_t)(tile / RTILES) * KS * JSTRIDE + 8 * lane;
+        return tile_at(tile % RTILES) + (size_t)(tile / RTILES) * KS * JSTRIDE + 8 * lane;
     };
 
     // Two cursors over the warp's (piece, k-step) sequence: the loads run one
@@ -494,10 +515,16 @@ static_assert(QMK_TP_RANKS == 1, "a tensor-parallel rank keeps CUDA cores");
 static_assert(Machine::input_bytes + Machine::part_bytes <= QMK_SMEM_FLOATS * 4,
               "the one-token step's shared memory holds the tensor-core phases");
 // o_proj [H, Q] and down [H, I] in 16-row bands; gate/up [2 I, H]: tile rt
-// is rows 8 rt .. 8 rt + 7 of gate, then the same rows of up.
+// is rows 8 rt .. 8 rt + 7 of gate, then the same rows of up; q/k/v [Q + 2
+// KV, H]: q's tiles, then k's, then v's, each 8 rotary indices of a head.
+using QkvPlan = Plan<(int)QMK_HIDDEN, (int)(QMK_Q_DIM + 2 * QMK_KV_DIM), Machine>;
 using OProjPlan = Plan<(int)QMK_Q_DIM, (int)QMK_HIDDEN, Machine>;
 using DownPlan = Plan<(int)QMK_INTER, (int)QMK_HIDDEN, Machine>;
 using GateUpPlan = Plan<(int)QMK_HIDDEN, 2 * (int)QMK_INTER, Machine>;
+static_assert(QkvPlan::NKB == QMK_TC_QKV_NKB && QkvPlan::SLOTS == QMK_TC_QKV_SLOTS &&
+                  QkvPlan::MAXLT == QMK_TC_QKV_MAXLT,
+              "the kernel's q/k/v plan differs from qmk_layout::TcPlan");
+static_assert(QMK_HEAD_DIM % 16 == 0 && QMK_KV_DIM % 16 == 0, "whole tiles of rotary pairs");
 static_assert(OProjPlan::NKB == QMK_TC_O_NKB && OProjPlan::SLOTS == QMK_TC_O_SLOTS &&
                   OProjPlan::MAXLT == QMK_TC_O_MAXLT,
               "the kernel's o_proj plan differs from qmk_layout::TcPlan");
@@ -514,7 +541,7 @@ constexpr bool fits_scratch() {
            (long long)PL::TILES * PL::SLOTS * 512 <= (long long)QMK_TC_BPART_OFF - QMK_TC_PART_OFF &&
            (long long)PL::RTILES * PL::NKB * 512 <= (long long)QMK_TC_SCRATCH_BYTES - QMK_TC_BPART_OFF;
 }
-static_assert(fits_scratch<OProjPlan>() && fits_scratch<DownPlan>() && fits_scratch<GateUpPlan>() &&
+static_assert(fits_scratch<QkvPlan>() && fits_scratch<OProjPlan>() && fits_scratch<DownPlan>() && fits_scratch<GateUpPlan>() &&
                   QMK_TC_PART_OFF % 16 == 0,
               "the scratch layout differs from qmk_layout::TcScratch");
 
@@ -551,7 +578,7 @@ __device__ __forceinline__ void o_proj(const Params& p, u32 layer, const float* 
     const F32Planes in{a, (int)QMK_Q_DIM};
     each_cta([&](int cta) {
         phase<(int)QMK_Q_DIM, (int)QMK_HIDDEN, T, 16, Machine>(
-            w, 256, in, reinterpret_cast<u16*>(xs), sc, cta, [epi](int rt, int g, int t, float top, float bottom) {
+            [w](int rt) { return w + (size_t)rt * 16 * QMK_Q_DIM; }, 256, in, reinterpret_cast<u16*>(xs), sc, cta, [epi](int rt, int g, int t, float top, float bottom) {
                 epi(rt * 16 + g, t, top);
                 epi(rt * 16 + g + 8, t, bottom);
             });
@@ -567,7 +594,7 @@ __device__ __forceinline__ void down(const Params& p, u32 layer, const float* h,
     const F32Planes in{h, (int)QMK_INTER};
     each_cta([&](int cta) {
         phase<(int)QMK_INTER, (int)QMK_HIDDEN, T, 16, Machine>(
-            w, 256, in, reinterpret_cast<u16*>(xs), sc, cta, [epi](int rt, int g, int t, float top, float bottom) {
+            [w](int rt) { return w + (size_t)rt * 16 * QMK_INTER; }, 256, in, reinterpret_cast<u16*>(xs), sc, cta, [epi](int rt, int g, int t, float top, float bottom) {
                 epi(rt * 16 + g, t, top);
                 epi(rt * 16 + g + 8, t, bottom);
             });
@@ -587,11 +614,81 @@ __device__ __forceinline__ void gate_up(const Params& p, u32 layer, const float*
     const u16* u0 = reinterpret_cast<const u16*>(wu.row(0));  // [I, H] bf16, 8-row bands
     const long long hoff = (reinterpret_cast<const char*>(u0) - reinterpret_cast<const char*>(g0)) / 2;
     const Scratch sc = scratch(p);
-    const NormPlanes in{x, ln.at(0), p.rms_norm_eps, red};
+    const NormPlanes in{x, ln.at(0), p.rms_norm_eps, red, {}};
     each_cta([&](int cta) {
         phase<(int)QMK_HIDDEN, 2 * (int)QMK_INTER, T, 8, Machine>(
-            g0, hoff, in, reinterpret_cast<u16*>(xs), sc, cta,
+            [g0](int rt) { return g0 + (size_t)rt * 8 * QMK_HIDDEN; }, hoff, in, reinterpret_cast<u16*>(xs), sc, cta,
             [epi](int rt, int g, int t, float gate, float up) { epi(rt * 8 + g, t, gate, up); });
+    });
+}
+
+// input_layernorm + q/k/v + bias + rotary + K/V append for T tokens at
+// positions start + t. x: the residuals [T, H] f32; emb[t]: token t's
+// embedding row instead (layer 0), else null; q: [T, Q] f32 out. A tile
+// holds 8 rotary indices i of one head in its rows g and their partners
+// i + D / 2 in rows g + 8, so the lane has both halves of each pair.
+template <int T>
+__device__ __forceinline__ void qkv(const Params& p, u32 layer, const float* x, const char* const (&emb)[T], u32 start,
+                                    float* q, float* xs) {
+    __shared__ float red[QMK_TC_TMAX * QMK_WARPS];
+    constexpr u32 D = QMK_HEAD_DIM, HALF = D / 2;
+    constexpr int QT = (int)QMK_Q_DIM / 16, KT = (int)QMK_KV_DIM / 16;  // row tiles of q, of k (and v)
+    constexpr int TPH = (int)HALF / 8;                                  // row tiles per head
+    const LayerView<input_layernorm_t> ln(p.input_layernorm, layer);
+    const LayerView<q_proj_t> wq(p.q_proj, layer);
+    const LayerView<k_proj_t> wk(p.k_proj, layer);
+    const LayerView<v_proj_t> wv(p.v_proj, layer);
+    const u16* bases[3] = {reinterpret_cast<const u16*>(wq.row(0)), reinterpret_cast<const u16*>(wk.row(0)),
+                           reinterpret_cast<const u16*>(wv.row(0))};  // [Q or KV, H] bf16, 8-row bands
+    const LayerView<q_bias_t> bq(p.q_bias, layer);
+    const LayerView<k_bias_t> bk(p.k_bias, layer);
+    const LayerView<v_bias_t> bv(p.v_bias, layer);
+    const char* bias[3] = {bq.at(0), bk.at(0), bv.at(0)};  // [Q or KV] bf16
+    char* kl = kv_layer(p.k_cache, layer, p.kv_capacity);  // [C, KV] bf16
+    char* vl = kv_layer(p.v_cache, layer, p.kv_capacity);  // [C, KV] bf16
+    const float* cosv = reinterpret_cast<const float*>(p.rope_cos);  // [C, D/2] f32
+    const float* sinv = reinterpret_cast<const float*>(p.rope_sin);  // [C, D/2] f32
+    const Scratch sc = scratch(p);
+    NormPlanes in{x, ln.at(0), p.rms_norm_eps, red, {}};
+#pragma unroll
+    for (int t = 0; t < T; ++t) in.emb[t] = emb[t];
+    // Row tile rt: which tensor, its head h and first rotary index 8 j.
+    struct Where {
+        int which, h, j;
+    };
+    auto where = [](int rt) {
+        const int which = rt < QT ? 0 : (rt < QT + KT ? 1 : 2);
+        const int lt = rt - (which == 0 ? 0 : (which == 1 ? QT : QT + KT));
+        return Where{which, lt / TPH, lt % TPH};
+    };
+    each_cta([&](int cta) {
+        phase<(int)QMK_HIDDEN, (int)(QMK_Q_DIM + 2 * QMK_KV_DIM), T, 8, Machine>(
+            [bases, where](int rt) {
+                const Where w = where(rt);
+                const u16* b = w.which == 0 ? bases[0] : (w.which == 1 ? bases[1] : bases[2]);
+                return b + (size_t)(w.h * (int)D + 8 * w.j) * QMK_HIDDEN;
+            },
+            (long long)HALF * QMK_HIDDEN, in, reinterpret_cast<u16*>(xs), sc, cta,
+            [where, bias, kl, vl, cosv, sinv, q, start](int rt, int g, int t, float top, float bottom) {
+                const Where w = where(rt);
+                const u32 i = 8u * (u32)w.j + (u32)g, r0 = (u32)w.h * D + i, r1 = r0 + HALF, pos = start + (u32)t;
+                const char* b = w.which == 0 ? bias[0] : (w.which == 1 ? bias[1] : bias[2]);
+                float lo = top + ld_bf16(b + (size_t)r0 * 2), hi = bottom + ld_bf16(b + (size_t)r1 * 2);
+                if (w.which == 2) {
+                    kv_append(vl, pos, r0, lo);
+                    kv_append(vl, pos, r1, hi);
+                    return;
+                }
+                const size_t c = (size_t)pos * HALF + i;
+                rotate(make_float2(cosv[c], sinv[c]), lo, hi);
+                if (w.which == 0) {
+                    q[(size_t)t * QMK_Q_DIM + r0] = lo;
+                    q[(size_t)t * QMK_Q_DIM + r1] = hi;
+                } else {
+                    kv_append(kl, pos, r0, lo);
+                    kv_append(kl, pos, r1, hi);
+                }
+            });
     });
 }
 #endif
