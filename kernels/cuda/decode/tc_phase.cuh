@@ -236,47 +236,49 @@ struct NormPlanes {
     }
 };
 
-// One phase for T tokens, nominal CTA `cta`. tile(rt): row tile rt's first
-// element (its top band, block 0, k-step 0) in the layer's weights in tile
-// order, bands of BAND rows; hoff: elements from a tile's row g to its row
-// g + 8 (256 in 16-row bands; with 8-row bands, to the bottom band); in: the inputs (fill<T, P>); xs: the CTA's dynamic shared memory
-// (input_bytes of planes, then part_bytes of local partials); epi(rt, g, t,
-// top, bottom): the sums of tile rt's rows g and g + 8 for token t, called
-// once for each rt, g < 8, t < T. The caller separates two nominal CTAs of
-// one CTA with a block barrier. Not inlined: its registers are its own, as
-// in the lab that measured it.
-template <int K, int ROWS, int T, int BAND, class M, class Tile, class In, class Epi>
-__device__ __noinline__ void phase(Tile tile_at, long long hoff, const In& in, u16* xs, const Scratch& sc, int cta,
-                                   Epi epi) {
+// A phase's shares and its sums, for T tokens at nominal CTA `cta`: which
+// k-steps a warp takes (pieces of tiles), and how a piece's partial sums
+// reach the epilogue. The stream calls flush() once per piece; it is not
+// inlined, so the epilogue's registers never compete with the weights the
+// stream holds in flight (inlined, ptxas spilled those to local memory
+// around it).
+template <int K, int ROWS, int T, class M, class Epi>
+struct Sums {
     using PL = Plan<K, ROWS, M>;
-    constexpr int NWT = PL::NWT, KS = PL::KS, RTILES = PL::RTILES, W = PL::W, SLOTS = PL::SLOTS;
-    constexpr int WARPS = M::warps;
-    static_assert(T >= 1 && T <= M::tmax && T <= 8, "tokens are the 8 columns of B");
-    static_assert(WARPS == QMK_WARPS, "the plan's warps are the CTA's");
-    static_assert(BAND == 16 || BAND == 8, "bands of 16 or 8 rows");
-    // Elements from one k-step's loads to the next.
-    constexpr int JSTRIDE = BAND * 32;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-    const int me = cta * WARPS + warp;
-    const unsigned xs_base = (unsigned)__cvta_generic_to_shared(xs);
-    // The local partials after the inputs (recomputed where used, rarely).
-    auto lpart = [&] { return reinterpret_cast<float*>(reinterpret_cast<char*>(xs) + M::input_bytes); };
-
-    auto start = [](int wi) { return wi * W / NWT; };
-    // The warp whose share holds k-step p: the i with start(i) <= p < start(i + 1).
-    auto owner = [](int p) { return ((p + 1) * NWT + W - 1) / W - 1; };
-    // Whether tile t's contributors span two CTAs.
-    auto spans = [&](int t) { return owner(t * KS) / WARPS != owner(t * KS + KS - 1) / WARPS; };
-    auto cta_tile = [&] { return start(cta * WARPS) / KS; };
-
-    // A piece: k-steps [j0, j1) of one tile, the warp's slot among the
-    // tile's contributors and their count. The last warp of a CTA takes its
-    // last piece (the CTA's edge tile) first, so that arrival finishes while
-    // the rest still streams.
+    static constexpr int NWT = PL::NWT, KS = PL::KS, RTILES = PL::RTILES, W = PL::W, SLOTS = PL::SLOTS;
+    static constexpr int WARPS = M::warps;
+    // k-steps [j0, j1) of one tile, the warp's slot among the tile's
+    // contributors and their count.
     struct Piece {
         int tile, j0, j1, slot, count;
     };
-    auto piece = [&](int k, Piece& pc) -> bool {
+    const Scratch& sc;
+    u16* xs;
+    int cta;
+    const Epi& epi;
+    int lane, warp, g, q, me;
+
+    __device__ __forceinline__ Sums(const Scratch& s, u16* x, int c, const Epi& e)
+        : sc(s), xs(x), cta(c), epi(e), lane((int)threadIdx.x & 31), warp((int)threadIdx.x >> 5),
+          g(((int)threadIdx.x & 31) >> 2), q((int)threadIdx.x & 3), me(c * WARPS + ((int)threadIdx.x >> 5)) {}
+
+    __device__ __forceinline__ static int start(int wi) { return wi * W / NWT; }
+    // The warp whose share holds k-step p: the i with start(i) <= p < start(i + 1).
+    __device__ __forceinline__ static int owner(int p) { return ((p + 1) * NWT + W - 1) / W - 1; }
+    // Whether tile t's contributors span two CTAs.
+    __device__ __forceinline__ static bool spans(int t) {
+        return owner(t * KS) / WARPS != owner(t * KS + KS - 1) / WARPS;
+    }
+    __device__ __forceinline__ int cta_tile() const { return start(cta * WARPS) / KS; }
+    // The local partials after the inputs.
+    __device__ __forceinline__ float* lpart() const {
+        return reinterpret_cast<float*>(reinterpret_cast<char*>(xs) + M::input_bytes);
+    }
+
+    // The warp's k-th piece. The last warp of a CTA takes its last piece
+    // (the CTA's edge tile) first, so that arrival finishes while the rest
+    // still streams.
+    __device__ __forceinline__ bool piece(int k, Piece& pc) const {
         const int b0 = start(me), e0 = start(me + 1);
         const int np = e0 > b0 ? (e0 - 1) / KS - b0 / KS + 1 : 0;
         if (k >= np) return false;
@@ -295,13 +297,13 @@ __device__ __noinline__ void phase(Tile tile_at, long long hoff, const In& in, u
             pc.count = owner(t * KS + KS - 1) - first + 1;
         }
         return true;
-    };
+    }
 
     // The warp's arrival at a counter (after its partial is stored):
     // whether it is the last of n. The block barrier of __syncwarp orders
     // the lanes' stores before lane 0's release; its acquire makes every
     // partial visible to the last arrival's loads.
-    auto last_of = [&](unsigned* c, unsigned n) {
+    __device__ __forceinline__ bool last_of(unsigned* c, unsigned n) const {
         __syncwarp();
         unsigned old = 0;
         if (lane == 0) asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(c) : "memory");
@@ -309,25 +311,25 @@ __device__ __noinline__ void phase(Tile tile_at, long long hoff, const In& in, u
         if (old != n - 1u) return false;
         __syncwarp();
         return true;
-    };
+    }
     // Lane (g, q) holds rows g, g + 8 of a tile for tokens 2q, 2q + 1.
-    auto put = [&](float* pt, float2 a, float2 b) {
+    __device__ __forceinline__ void put(float* pt, float2 a, float2 b) const {
         *reinterpret_cast<float2*>(pt + g * 8 + 2 * q) = a;
         *reinterpret_cast<float2*>(pt + (g + 8) * 8 + 2 * q) = b;
-    };
-    auto get = [&](const float* pt, float2& a, float2& b) {
+    }
+    __device__ __forceinline__ void get(const float* pt, float2& a, float2& b) const {
         a = __ldcg(reinterpret_cast<const float2*>(pt + g * 8 + 2 * q));
         b = __ldcg(reinterpret_cast<const float2*>(pt + (g + 8) * 8 + 2 * q));
-    };
-    auto add = [](float2& a, float2 b) { a = make_float2(a.x + b.x, a.y + b.y); };
-    auto write = [&](int rt, float2 a, float2 b) {
+    }
+    __device__ __forceinline__ static void add(float2& a, float2 b) { a = make_float2(a.x + b.x, a.y + b.y); }
+    __device__ __forceinline__ void write(int rt, float2 a, float2 b) const {
         const int t0 = 2 * q;
         if (t0 < T) epi(rt, g, t0, a.x, b.x);
         if (t0 + 1 < T) epi(rt, g, t0 + 1, a.y, b.y);
-    };
+    }
     // A tile's whole sums over its block; with column blocks the last of the
     // NKB blocks to arrive adds them in block order.
-    auto out = [&](int tile, float2 a, float2 b) {
+    __device__ __forceinline__ void out(int tile, float2 a, float2 b) const {
         if constexpr (PL::NKB == 1) {
             write(tile, a, b);
         } else {
@@ -348,10 +350,10 @@ __device__ __noinline__ void phase(Tile tile_at, long long hoff, const In& in, u
             write(rt, a, b);
             if (lane == 0) sc.bcnt[rt] = 0u;
         }
-    };
+    }
     // A spanning tile's partial: its global slot, then the counter; the last
     // contributor adds the slots in order.
-    auto arrive = [&](const Piece& pc, float2 a, float2 b) {
+    __device__ __forceinline__ void arrive(const Piece& pc, float2 a, float2 b) const {
         float* pt = sc.part + (size_t)pc.tile * SLOTS * 128;  // [SLOTS][16][8]
         put(pt + pc.slot * 128, a, b);
         if (!last_of(sc.cnt + pc.tile, (unsigned)pc.count)) return;
@@ -385,19 +387,20 @@ __device__ __noinline__ void phase(Tile tile_at, long long hoff, const In& in, u
         }
         out(pc.tile, a, b);
         if (lane == 0) sc.cnt[pc.tile] = 0u;
-    };
-    auto flush = [&](const Piece& pc, const float (&d)[4]) {
-        const float2 a = make_float2(d[0], d[1]), b = make_float2(d[2], d[3]);
+    }
+    // A piece's sums d: to the epilogue, the CTA's slots, or a global slot.
+    __device__ __noinline__ void flush(const Piece pc, float d0, float d1, float d2, float d3) const {
+        const float2 a = make_float2(d0, d1), b = make_float2(d2, d3);
         if (pc.count == 1)
             out(pc.tile, a, b);
         else if (!spans(pc.tile))
             put(lpart() + ((pc.tile - cta_tile()) * SLOTS + pc.slot) * 128, a, b);
         else
             arrive(pc, a, b);
-    };
+    }
     // After the stream: the last contributor of each tile inside the CTA
     // adds its slots in order.
-    auto local_sums = [&]() {
+    __device__ __forceinline__ void local_sums() const {
         __syncthreads();
         Piece pc;
         for (int k = 0; k < PL::MAXP && piece(k, pc); ++k) {
@@ -411,7 +414,33 @@ __device__ __noinline__ void phase(Tile tile_at, long long hoff, const In& in, u
             }
             out(pc.tile, a, b);
         }
-    };
+    }
+};
+
+// One phase for T tokens, nominal CTA `cta`. tile(rt): row tile rt's first
+// element (its top band, block 0, k-step 0) in the layer's weights in tile
+// order, bands of BAND rows; hoff: elements from a tile's row g to its row
+// g + 8 (256 in 16-row bands; with 8-row bands, to the bottom band); in: the
+// inputs (fill<T, P>); xs: the CTA's dynamic shared memory (input_bytes of
+// planes, then part_bytes of local partials); epi(rt, g, t, top, bottom):
+// the sums of tile rt's rows g and g + 8 for token t, called once for each
+// rt, g < 8, t < T. The caller separates two nominal CTAs of one CTA with a
+// block barrier.
+template <int K, int ROWS, int T, int BAND, class M, class Tile, class In, class Epi>
+__device__ __forceinline__ void phase(Tile tile_at, long long hoff, const In& in, u16* xs, const Scratch& sc, int cta,
+                                      const Epi& epi) {
+    using S = Sums<K, ROWS, T, M, Epi>;
+    using PL = typename S::PL;
+    using Piece = typename S::Piece;
+    constexpr int KS = PL::KS, RTILES = PL::RTILES;
+    static_assert(T >= 1 && T <= M::tmax && T <= 8, "tokens are the 8 columns of B");
+    static_assert(M::warps == QMK_WARPS, "the plan's warps are the CTA's");
+    static_assert(BAND == 16 || BAND == 8, "bands of 16 or 8 rows");
+    // Elements from one k-step's loads to the next.
+    constexpr int JSTRIDE = BAND * 32;
+    const S s(sc, xs, cta, epi);
+    const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+    const unsigned xs_base = (unsigned)__cvta_generic_to_shared(xs);
 
     // Token g's 16 bytes of a plane at block column 32 j + 8 q (zeros for
     // tokens >= T).
@@ -444,7 +473,7 @@ __device__ __noinline__ void phase(Tile tile_at, long long hoff, const In& in, u
     auto enter = [&](Cur& c) {
         Piece pc;
         c.j1 = 0;
-        if (piece(c.k, pc)) {
+        if (s.piece(c.k, pc)) {
             c.j = pc.j0;
             c.j1 = pc.j1;
             c.r = rows_at(pc.tile);
@@ -475,8 +504,8 @@ __device__ __noinline__ void phase(Tile tile_at, long long hoff, const In& in, u
         cc.j += kNb;
         if (cc.j >= cc.j1) {
             Piece pc;
-            piece(cc.k, pc);
-            flush(pc, d);
+            s.piece(cc.k, pc);
+            s.flush(pc, d[0], d[1], d[2], d[3]);
             d[0] = d[1] = d[2] = d[3] = 0.0f;
             ++cc.k;
             enter(cc);
@@ -497,7 +526,7 @@ __device__ __noinline__ void phase(Tile tile_at, long long hoff, const In& in, u
         load(wa0, wb0);
         compute(wa1, wb1);
     }
-    local_sums();
+    s.local_sums();
 }
 
 #if QMK_TC_PHASES && !QMK_TENSOR_CORES
