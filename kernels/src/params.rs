@@ -189,10 +189,10 @@ pub struct KernelParams {
     /// Epoch before this step's first exchange: exchange k of the step
     /// (0 ..= 2L) publishes `tp_epoch + k + 1` (wrapping).
     pub tp_epoch: u32,
-    /// The tensor-core down phase's scratch (device address; sized and laid
-    /// out by [`qmk_layout::TcPlan::scratch_bytes`]): tile and block
-    /// counters, then the tiles' partial sums and the block sums. Unused
-    /// where the build keeps down on CUDA cores.
+    /// The tensor-core phases' scratch (device address; sized and laid out
+    /// by [`qmk_layout::TcScratch`]): tile and block counters, then the
+    /// tiles' partial sums and the block sums. Unused where the build keeps
+    /// its weight phases on CUDA cores.
     pub tc_scratch: u64,
 }
 

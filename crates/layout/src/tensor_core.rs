@@ -5,7 +5,7 @@
 //! [`TcMachine::tmax`] tokens with `mma.sync` m16n8k16: 16 weight rows as A,
 //! the tokens as the 8 columns of B. Its weights are stored in **tile
 //! order** so that each 16-byte load instruction of a warp reads 512
-//! contiguous bytes ([`tile_order_offset`]). Its split of the work
+//! contiguous bytes ([`TileOrder`]). Its split of the work
 //! ([`TcPlan`]) depends on the shape and the machine only, never on the
 //! token count or on the grid that runs, so every token's sums are
 //! bit-identical at every token count; the kernel's `tc::Plan` computes
