@@ -60,34 +60,19 @@ template <class T>
 struct TileOrder {
     static constexpr u32 rows = 0;
 };
-template <>
-struct TileOrder<q_proj_t> {
-    static constexpr u32 rows = QMK_TC_PHASES ? 8u : 0u;
-};
-template <>
-struct TileOrder<k_proj_t> {
-    static constexpr u32 rows = QMK_TC_PHASES ? 8u : 0u;
-};
-template <>
-struct TileOrder<v_proj_t> {
-    static constexpr u32 rows = QMK_TC_PHASES ? 8u : 0u;
-};
-template <>
-struct TileOrder<o_proj_t> {
-    static constexpr u32 rows = QMK_TC_PHASES ? 16u : 0u;
-};
-template <>
-struct TileOrder<down_proj_t> {
-    static constexpr u32 rows = QMK_TC_PHASES ? 16u : 0u;
-};
-template <>
-struct TileOrder<gate_proj_t> {
-    static constexpr u32 rows = QMK_TC_PHASES ? 8u : 0u;
-};
-template <>
-struct TileOrder<up_proj_t> {
-    static constexpr u32 rows = QMK_TC_PHASES ? 8u : 0u;
-};
+#define QMK_TILE_ORDER(NAME, ROWS)                                \
+    template <>                                                   \
+    struct TileOrder<NAME##_t> {                                  \
+        static constexpr u32 rows = QMK_TC_PHASES ? (ROWS) : 0u;  \
+    };
+QMK_TILE_ORDER(q_proj, 8u)
+QMK_TILE_ORDER(k_proj, 8u)
+QMK_TILE_ORDER(v_proj, 8u)
+QMK_TILE_ORDER(o_proj, 16u)
+QMK_TILE_ORDER(gate_proj, 8u)
+QMK_TILE_ORDER(up_proj, 8u)
+QMK_TILE_ORDER(down_proj, 16u)
+#undef QMK_TILE_ORDER
 
 // Chunk holding `layer` (compile-time chunk table, runtime layer).
 template <class T, u32 C = 0>

@@ -49,16 +49,6 @@ constexpr int kMaxSlots = 64;
 // k-steps of weight loads per register set (two sets in flight).
 constexpr int kNb = 4;
 
-// 16 bytes of weights: read once, so not kept in L1, and evicted from L2
-// first.
-__device__ __forceinline__ uint4 ld_w16(const u16* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(l2_evict_first()));
-    return v;
-}
-
 // Not volatile: the compiler may schedule the MMAs among the loads.
 __device__ __forceinline__ void mma16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -487,8 +477,8 @@ __device__ __forceinline__ void phase(Tile tile_at, long long hoff, const In& in
 #pragma unroll
         for (int i = 0; i < kNb; ++i)
             if (lc.j + i < lc.j1) {
-                wa[i] = ld_w16(lc.r + (size_t)JSTRIDE * (lc.j + i));
-                wb[i] = ld_w16(lc.r + (BAND == 16 ? 256 : hoff) + (size_t)JSTRIDE * (lc.j + i));
+                wa[i] = ld_weight16<L2::first>(lc.r + (size_t)JSTRIDE * (lc.j + i));
+                wb[i] = ld_weight16<L2::first>(lc.r + (BAND == 16 ? 256 : hoff) + (size_t)JSTRIDE * (lc.j + i));
             }
         lc.j += kNb;
         if (lc.j >= lc.j1) {
